@@ -1,0 +1,161 @@
+"""The blocking facade: `Server`, for scripts, notebooks and non-trio applications.
+
+How this works: entering `Server` starts an event loop (trio) in a worker thread through
+anyio's blocking portal and opens the `AsyncServer` in it; each method hands its call to that
+loop and waits for the answer. The thread belongs to the ``with`` block: leaving it closes the
+server and joins the thread. The methods are thread-safe, so an asyncio application can call
+them from ``asyncio.to_thread`` without blocking its own loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, Self
+
+import anyio.from_thread
+
+from ._server import AsyncServer, open_server
+from .actors import Model
+from .protocols import (
+    InferResponse,
+    ModelConfig,
+    ModelStatistics,
+    Observer,
+    ParameterValue,
+    ServerClosedError,
+    StepStatistics,
+)
+
+
+class Server:
+    """A blocking orchestrion server: ``with orchestrion.Server(...) as server:``.
+
+    Takes the arguments of `open_server`; models are loaded and compiled on entry.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike[str] | None = None,
+        models: Sequence[Model] = (),
+        *,
+        observers: Sequence[Observer] = (),
+    ) -> None:
+        self._open = functools.partial(open_server, model_repository, models, observers=observers)
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._server_cm: AbstractContextManager[AsyncServer] | None = None
+        self._server: AsyncServer | None = None
+
+    def __enter__(self) -> Self:
+        self._portal_cm = anyio.from_thread.start_blocking_portal("trio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._server_cm = self._portal.wrap_async_context_manager(self._open())
+            self._server = self._server_cm.__enter__()
+        except BaseException as exc:
+            self._portal_cm.__exit__(type(exc), exc, exc.__traceback__)
+            self._portal = self._portal_cm = None
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._portal_cm is not None
+        assert self._server_cm is not None
+        try:
+            self._server_cm.__exit__(exc_type, exc, tb)
+        finally:
+            self._server = self._server_cm = self._portal = None
+            portal_cm, self._portal_cm = self._portal_cm, None
+            portal_cm.__exit__(None, None, None)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._portal is None or self._server is None:
+            raise ServerClosedError("the server is not open (use it inside its with block)")
+        return self._portal.call(functools.partial(getattr(self._server, method), *args, **kwargs))
+
+    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._portal is None or self._server is None:
+            raise ServerClosedError("the server is not open (use it inside its with block)")
+        fn = functools.partial(getattr(self._server, method), *args, **kwargs)
+        return self._portal.call(_run_sync, fn)
+
+    def infer(
+        self,
+        model_name: str,
+        inputs: Mapping[str, Any],
+        *,
+        model_version: int = -1,
+        outputs: Sequence[str] | None = None,
+        request_id: str | None = None,
+        parameters: Mapping[str, ParameterValue] | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> InferResponse:
+        """Run one request; see `AsyncServer.infer` for the arguments and errors."""
+        response: InferResponse = self._call(
+            "infer",
+            model_name,
+            inputs,
+            model_version=model_version,
+            outputs=outputs,
+            request_id=request_id,
+            parameters=parameters,
+            sequence_id=sequence_id,
+            sequence_start=sequence_start,
+            sequence_end=sequence_end,
+            priority=priority,
+            timeout=timeout,
+        )
+        return response
+
+    def model_statistics(
+        self, name: str | None = None, version: int | None = None
+    ) -> list[ModelStatistics]:
+        """See `AsyncServer.model_statistics`."""
+        result: list[ModelStatistics] = self._sync("model_statistics", name, version)
+        return result
+
+    def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
+        """See `AsyncServer.step_statistics`."""
+        result: tuple[StepStatistics, ...] = self._sync("step_statistics", ensemble)
+        return result
+
+    def model_config(self, name: str, version: int = -1) -> ModelConfig:
+        """See `AsyncServer.model_config`."""
+        result: ModelConfig = self._sync("model_config", name, version)
+        return result
+
+    def model_names(self) -> list[str]:
+        """See `AsyncServer.model_names`."""
+        result: list[str] = self._sync("model_names")
+        return result
+
+    def is_model_ready(self, name: str, version: int = -1) -> bool:
+        """See `AsyncServer.is_model_ready`."""
+        result: bool = self._sync("is_model_ready", name, version)
+        return result
+
+    def load_model(self, model: str | Model | Sequence[Model]) -> None:
+        """See `AsyncServer.load_model`."""
+        self._call("load_model", model)
+
+    def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
+        """See `AsyncServer.unload_model`."""
+        self._call("unload_model", name, unload_dependents=unload_dependents)
+
+
+async def _run_sync(fn: functools.partial[Any]) -> Any:
+    """Run a synchronous server method on the event loop thread (its state lives there)."""
+    return fn()

@@ -1,0 +1,198 @@
+"""The ``orchestrion`` command line: ``run`` an example, ``validate`` a repository."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import trio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ._examples import Example, load_example
+from ._server import AsyncServer, open_server
+from .actors import load_model_code, scan_repository
+from .protocols import ConfigError, ModelLoadError, OrchestrionError, validate_repository
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrion", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run an example pipeline and summarise it")
+    run.add_argument("example", help="a folder under examples/ (image_pipeline) or a path")
+    run.add_argument(
+        "-n", "--requests", type=int, help="number of requests (default: the example's)"
+    )
+    run.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
+    run.add_argument("--seed", type=int, default=0, help="seed of the input generator")
+    validate = commands.add_parser("validate", help="check a model repository, report every error")
+    validate.add_argument("--model-repository", required=True, type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``orchestrion`` command."""
+    args = _parser().parse_args(argv)
+    console = Console()
+    try:
+        if args.command == "validate":
+            return _validate(args.model_repository, console)
+        example = load_example(args.example)
+        requests = args.requests if args.requests is not None else example.requests
+        concurrency = args.concurrency if args.concurrency is not None else example.concurrency
+        if requests < 1 or concurrency < 1:
+            console.print("[red]error:[/red] --requests and --concurrency must be >= 1")
+            return 2
+        return trio.run(_run, example, requests, concurrency, args.seed, console)
+    except (ConfigError, ModelLoadError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+
+
+def _validate(root: Path, console: Console) -> int:
+    entries, errors = scan_repository(root)
+    configs = {e.name: e.config for e in entries}
+    errors.extend(validate_repository(configs, {e.name: e.versions for e in entries}))
+    for entry in entries:
+        for version in entry.versions:
+            try:
+                load_model_code(entry, version)
+            except ConfigError as exc:
+                errors.extend(exc.errors)
+            except ModelLoadError as exc:
+                errors.append(str(exc))
+    errors = list(dict.fromkeys(errors))
+    if errors:
+        console.print(f"[red]{len(errors)} problem(s)[/red] in {root}:", highlight=False)
+        for line in errors:
+            console.print(f"  - {line}", highlight=False, soft_wrap=True)
+        return 1
+    console.print(f"[green]OK[/green]: {len(entries)} models in {root}", highlight=False)
+    return 0
+
+
+async def _run(
+    example: Example, requests: int, concurrency: int, seed: int, console: Console
+) -> int:
+    console.print(f"[bold]{example.name}[/bold]: {example.description}", highlight=False)
+    started = time.perf_counter()
+    async with open_server(example.model_repository) as server:
+        console.print(
+            f"loaded {len(server.model_names())} models in {time.perf_counter() - started:.1f} s"
+        )
+        latencies, errors, wall = await _drive(
+            server, example, requests, concurrency, seed, console
+        )
+        _summary(server, example, latencies, errors, wall, concurrency, console)
+    return 1 if errors else 0
+
+
+async def _drive(
+    server: AsyncServer,
+    example: Example,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    console: Console,
+) -> tuple[list[float], list[str], float]:
+    """Send the requests; return latencies (s), error lines and the wall time (s)."""
+    rng = np.random.default_rng(seed)
+    inputs = [example.make_inputs(i, rng) for i in range(requests)]
+    latencies: list[float] = []
+    errors: list[str] = []
+    next_index = iter(range(requests))
+    progress = Progress(
+        TextColumn("requests"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        auto_refresh=False,
+        transient=False,
+    )
+    task = progress.add_task("infer", total=requests)
+
+    async def client() -> None:
+        for index in next_index:
+            start = time.perf_counter()
+            try:
+                response = await server.infer(example.model, inputs[index], request_id=str(index))
+                if example.check is not None:
+                    example.check(inputs[index], response.outputs)
+            except (OrchestrionError, AssertionError) as exc:
+                errors.append(f"request {index}: {type(exc).__name__}: {exc}")
+            else:
+                latencies.append(time.perf_counter() - start)
+            progress.advance(task)
+
+    async def refresher() -> None:
+        while True:
+            progress.refresh()
+            await trio.sleep(0.1)
+
+    started = time.perf_counter()
+    with progress:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(refresher)
+            async with trio.open_nursery() as clients:
+                for _ in range(min(concurrency, requests)):
+                    clients.start_soon(client)
+            nursery.cancel_scope.cancel()
+        progress.refresh()
+    return latencies, errors, time.perf_counter() - started
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _summary(
+    server: AsyncServer,
+    example: Example,
+    latencies: list[float],
+    errors: list[str],
+    wall: float,
+    concurrency: int,
+    console: Console,
+) -> None:
+    requests = len(latencies) + len(errors)
+    table = Table(title=f"{example.name}: {requests} requests at concurrency {concurrency}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("requests", str(requests))
+    table.add_row("errors", str(len(errors)))
+    table.add_row("throughput", f"{requests / wall:,.1f} req/s")
+    table.add_row("p50 latency", f"{_percentile(latencies, 50) * 1e3:.2f} ms")
+    table.add_row("p99 latency", f"{_percentile(latencies, 99) * 1e3:.2f} ms")
+    console.print(table)
+    models = Table(title="executions per model")
+    for column in ("model", "version", "requests ok", "failed", "executions", "mean compute"):
+        models.add_column(column, justify="right" if column != "model" else "left")
+    for s in server.model_statistics():
+        n = s.execution_count
+        compute = s.inference_stats.compute_infer.ns / n / 1e6 if n else 0.0
+        models.add_row(
+            s.name,
+            str(s.version),
+            str(s.inference_stats.success.count),
+            str(s.inference_stats.fail.count),
+            str(n) if s.name != example.model else "-",
+            f"{compute:.2f} ms" if n else "-",
+        )
+    console.print(models)
+    for line in errors[:5]:
+        console.print(f"[red]{line}[/red]", highlight=False)
+    if len(errors) > 5:
+        console.print(f"[red]... and {len(errors) - 5} more errors[/red]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

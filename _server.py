@@ -1,0 +1,213 @@
+"""The embedding API for trio programs: `open_server` and `AsyncServer`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .actors import Model, ModelRegistry
+from .protocols import (
+    InferenceTimeoutError,
+    InferRequest,
+    InferResponse,
+    ModelConfig,
+    ModelStatistics,
+    Observer,
+    ParameterValue,
+    StepStatistics,
+)
+
+
+class _Observers(Observer):
+    """Fans every event out to several observers."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self._observers = tuple(observers)
+        for hook in (
+            "request_started",
+            "request_finished",
+            "execution_finished",
+            "step_started",
+            "step_finished",
+        ):
+            targets = [getattr(o, hook) for o in self._observers]
+
+            def fan(*args: Any, _targets: list[Any] = targets) -> None:
+                for target in _targets:
+                    target(*args)
+
+            setattr(self, hook, fan)
+
+
+def _observer(observers: Sequence[Observer]) -> Observer:
+    if not observers:
+        return Observer()
+    if len(observers) == 1:
+        return observers[0]
+    return _Observers(observers)
+
+
+@attrs.define(eq=False)
+class AsyncServer:
+    """A running orchestrion server inside a trio program. Get one from `open_server`."""
+
+    _registry: ModelRegistry
+
+    async def infer(
+        self,
+        model_name: str,
+        inputs: Mapping[str, Any],
+        *,
+        model_version: int = -1,
+        outputs: Sequence[str] | None = None,
+        request_id: str | None = None,
+        parameters: Mapping[str, ParameterValue] | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
+        priority: int = 0,
+        # Triton's request field; forwarded to composing models, enforced with a trio deadline.
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> InferResponse:
+        """Run one inference request and return its response.
+
+        Args:
+            model_name: the model or ensemble to run.
+            inputs: input tensors by name (numpy arrays, or anything ``np.asarray`` takes;
+                BYTES inputs as arrays of ``bytes`` or ``str``). Data types must match the
+                config exactly.
+            model_version: -1 or 0 for the latest loaded version.
+            outputs: the outputs wanted (default all); an ensemble skips steps that only
+                lead to outputs nobody asked for.
+            request_id: echoed in the response and forwarded to composing models.
+            parameters: custom request parameters, forwarded to composing models.
+            sequence_id, sequence_start, sequence_end: sequence (correlation) metadata,
+                forwarded to composing models.
+            priority: request priority, forwarded to composing models.
+            timeout: seconds the whole request may take; the work is cancelled after it.
+
+        Returns:
+            the response: ``.outputs`` (numpy arrays by name) and ``.parameters``.
+
+        Raises:
+            ModelNotFoundError: unknown model or version.
+            InvalidRequestError: wrong, missing or unexpected inputs or outputs.
+            InferenceError: the model or an ensemble step failed (the message names it).
+            InferenceTimeoutError: ``timeout`` expired.
+        """
+        request = InferRequest(
+            model_name=model_name,
+            model_version=model_version,
+            inputs=inputs,
+            requested_outputs=frozenset(outputs) if outputs is not None else None,
+            request_id=request_id or "",
+            parameters=dict(parameters or {}),
+            priority=priority,
+            timeout=timeout,
+            sequence_id=sequence_id,
+            sequence_start=sequence_start,
+            sequence_end=sequence_end,
+        )
+        if timeout is None:
+            return await self._registry.infer(request)
+        with trio.move_on_after(timeout) as scope:
+            return await self._registry.infer(request)
+        assert scope.cancelled_caught
+        raise InferenceTimeoutError(f"request for model '{model_name}' timed out after {timeout} s")
+
+    def model_statistics(
+        self, name: str | None = None, version: int | None = None
+    ) -> list[ModelStatistics]:
+        """Triton-style statistics: every model, every version of ``name``, or one version."""
+        return self._registry.statistics(name, version)
+
+    def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
+        """Live queue depth, in-flight count and blocked time of each step of an ensemble."""
+        return self._registry.step_statistics(ensemble)
+
+    def model_config(self, name: str, version: int = -1) -> ModelConfig:
+        """The config of a loaded model."""
+        return self._registry.resolve(name, version).config
+
+    def model_names(self) -> list[str]:
+        """Names of the loaded models and ensembles."""
+        return self._registry.model_names()
+
+    def model_versions(self, name: str) -> list[int]:
+        """Loaded versions of ``name`` (empty when it is not loaded)."""
+        return self._registry.versions(name)
+
+    def is_model_ready(self, name: str, version: int = -1) -> bool:
+        """Whether ``name`` (at ``version``) is loaded and serving."""
+        try:
+            self._registry.resolve(name, version)
+        except LookupError:
+            return False
+        return True
+
+    async def load_model(self, model: str | Model | Sequence[Model]) -> None:
+        """Load (or reload) a model: a repository folder by name, or Python definitions.
+
+        Loading an ensemble from the repository also loads the composing models it needs.
+
+        Raises:
+            ConfigError: the model or the resulting set of models is invalid.
+            ModelLoadError: the model's code failed to import, initialise or compile.
+        """
+        if isinstance(model, str):
+            await self._registry.load(await self._registry.read_repository([model]))
+        elif isinstance(model, Model):
+            await self._registry.load([model])
+        else:
+            await self._registry.load(list(model))
+
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
+        """Unload every version of ``name``; requests already running finish first.
+
+        Raises:
+            ModelNotFoundError: not loaded.
+            ConfigError: ensembles use it and ``unload_dependents`` is False.
+        """
+        await self._registry.unload(name, unload_dependents=unload_dependents)
+
+
+@contextlib.asynccontextmanager
+async def open_server(
+    model_repository: str | os.PathLike[str] | None = None,
+    models: Sequence[Model] = (),
+    *,
+    observers: Sequence[Observer] = (),
+) -> AsyncIterator[AsyncServer]:
+    """Open an orchestrion server in a nursery of its own; models are ready on entry.
+
+    Args:
+        model_repository: a Triton-layout model repository folder, loaded whole.
+        models: models defined in Python (`Model`), loaded next to the repository's.
+        observers: receivers of runtime events (metrics, traces, tests).
+
+    Raises:
+        ConfigError: the repository or a config is invalid (every problem listed).
+        ModelLoadError: a model's code failed to import, initialise or compile.
+    """
+    async with trio.open_nursery() as nursery:
+        registry = ModelRegistry(
+            nursery=nursery,
+            observer=_observer(observers),
+            repository=Path(model_repository) if model_repository is not None else None,
+        )
+        found = await registry.read_repository() if model_repository is not None else []
+        await registry.load([*found, *models], replace=False)
+        try:
+            yield AsyncServer(registry)
+        except BaseException:
+            # Leaving by an error or a cancellation: stop everything now.
+            nursery.cancel_scope.cancel()
+            raise
+        # Leaving normally: requests still running (from other tasks) finish first.
+        await registry.close()

@@ -1,0 +1,132 @@
+"""What a model is before it runs: its config and its code (the ``model.py`` contract).
+
+A `Model` comes either from a repository folder (``<model>/<version>/model.py``, see
+``_repository.py``) or straight from Python. `check_model` enforces the contract of SPEC §2
+at load time so that mistakes surface as a `ConfigError` naming the file, not as a confusing
+failure on the first request.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..protocols import ConfigError, ModelConfig, bytes_tensors
+
+
+@attrs.define(eq=False)
+class Model:
+    """A model (or ensemble) definition: a config plus, for models, the code that runs it.
+
+    Args:
+        config: the model's configuration (``platform="ensemble"`` for an ensemble).
+        execute: ``execute([params,] INPUT0, INPUT1, ...) -> {"OUTPUT0": array, ...}``, one
+            argument per config input, by name. Ensembles have none. May be an ``async def``
+            (then ``jit`` must be False).
+        initialize: optional ``initialize(config) -> params`` (a pytree), run once per
+            instance; its result is passed as the first argument of ``execute``.
+        jit: compile ``execute`` with ``jax.jit`` (the default). False runs it as plain
+            Python, for work JAX cannot trace (decoding bytes, strings, I/O).
+        version: the version number this definition is served as.
+        source: where the definition came from, for error messages.
+    """
+
+    config: ModelConfig
+    execute: Callable[..., Any] | None = None
+    initialize: Callable[[ModelConfig], Any] | None = None
+    jit: bool = True
+    version: int = 1
+    source: str = "<python>"
+
+    @property
+    def name(self) -> str:
+        """The model's name (from its config)."""
+        return self.config.name
+
+
+def check_model(model: Model) -> list[str]:
+    """The ways ``model`` breaks the ``model.py`` contract (empty when it is fine)."""
+    where = f"{model.source} (model '{model.name}')"
+    config = model.config
+    if model.version < 1:
+        return [f"{where}: version must be a positive integer, got {model.version}"]
+    if config.is_ensemble:
+        if model.execute is not None or model.initialize is not None:
+            return [f"{where}: an ensemble has no execute or initialize"]
+        return []
+    if model.execute is None or not callable(model.execute):
+        return [f"{where}: defines no execute function"]
+    errors = []
+    if inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(model.execute):
+        errors.append(
+            f"{where}: execute is a generator, which is how decoupled models respond; "
+            "decoupled models are not supported by this version of orchestrion"
+        )
+    if config.decoupled:
+        errors.append(
+            f"{where}: model_transaction_policy.decoupled is not supported by this version "
+            "of orchestrion"
+        )
+    if config.sequence_batching is not None:
+        errors.append(f"{where}: sequence_batching is not supported by this version of orchestrion")
+    if model.jit and inspect.iscoroutinefunction(model.execute):
+        errors.append(f"{where}: an async execute cannot be jitted; set JIT = False")
+    if model.jit and bytes_tensors(config):
+        errors.append(
+            f"{where}: BYTES tensors ({', '.join(bytes_tensors(config))}) cannot pass through "
+            "jax.jit; set JIT = False in the model (or jit=False)"
+        )
+    try:
+        signature = inspect.signature(model.execute)
+    except (TypeError, ValueError):
+        return errors
+    params = list(signature.parameters.values())
+    if model.initialize is not None:
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not positional:
+            errors.append(f"{where}: execute must take params first, since initialize exists")
+            return errors
+        params.remove(positional[0])
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return errors
+    accepted = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+    inputs = {t.name for t in config.input}
+    missing = sorted(inputs - accepted)
+    if missing:
+        errors.append(
+            f"{where}: execute has no parameter for inputs {', '.join(missing)} "
+            "(one parameter per config input, by name)"
+        )
+    required = sorted(
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,) and p.name not in inputs
+    )
+    if required:
+        errors.append(
+            f"{where}: execute requires parameters that are not config inputs: "
+            + ", ".join(required)
+        )
+    optional_without_default = sorted(
+        t.name
+        for t in config.input
+        if t.optional
+        and t.name in signature.parameters
+        and signature.parameters[t.name].default is inspect.Parameter.empty
+    )
+    if optional_without_default:
+        errors.append(
+            f"{where}: optional inputs need a default value in execute: "
+            + ", ".join(optional_without_default)
+        )
+    return errors
+
+
+def ensure_valid(model: Model) -> None:
+    """Raise `ConfigError` if ``model`` breaks the contract."""
+    errors = check_model(model)
+    if errors:
+        raise ConfigError(errors)

@@ -1,0 +1,372 @@
+"""The set of loaded models: loading, unloading and routing requests to them.
+
+How this works: every loaded model version has a runner (`ModelRunner` for Python/JAX
+models, `EnsembleRunner` for ensembles) whose actors live in the registry's nursery. Loading
+validates the *whole* resulting set of models at once (so an ensemble can never point at a
+model that is not there), prepares and compiles new runners concurrently, and only then makes
+them visible; a failed load changes nothing. `infer` resolves the model and version, checks the
+inputs against the config, and keeps Triton's per-model statistics; ensembles call back into
+it for their steps, so composing models are counted exactly like direct requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import trio
+
+from ..protocols import (
+    ConfigError,
+    InferRequest,
+    InferResponse,
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelStatistics,
+    Observer,
+    OrchestrionError,
+    StepStatistics,
+    check_inputs,
+    validate_repository,
+)
+from ._definition import Model, check_model
+from ._ensemble import EnsembleRunner
+from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
+from ._runner import ModelRunner, batch_size
+from ._stats import StatsRecorder
+
+
+class Runner(Protocol):
+    """What the registry needs of a loaded model version."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def version(self) -> int: ...
+
+    stats: StatsRecorder
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def statistics(self) -> ModelStatistics: ...
+
+
+def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Turn a loader nursery's exception group into the one error a user should see."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    if not all(isinstance(e, OrchestrionError) for e in leaves):
+        return group
+    if len(leaves) == 1:
+        return leaves[0]
+    if all(isinstance(e, ConfigError) for e in leaves):
+        return ConfigError([line for e in leaves for line in e.errors])  # type: ignore[attr-defined]
+    return ModelLoadError("\n".join(str(e) for e in leaves))
+
+
+@attrs.define(eq=False)
+class ModelRegistry:
+    """Loaded models by name and version, with the nursery their actors live in."""
+
+    nursery: trio.Nursery
+    observer: Observer
+    repository: Path | None = None
+    _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
+    _definitions: dict[str, dict[int, Model]] = attrs.field(factory=dict)
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def resolve(self, name: str, version: int = -1) -> Runner:
+        """The runner of ``name`` at ``version`` (-1 or 0: the latest loaded).
+
+        Raises:
+            ModelNotFoundError: no such model, or no such version loaded.
+        """
+        versions = self._runners.get(name)
+        if not versions:
+            loaded = ", ".join(sorted(self._runners)) or "none"
+            raise ModelNotFoundError(f"unknown model '{name}' (loaded models: {loaded})")
+        if version <= 0:
+            return versions[max(versions)]
+        runner = versions.get(version)
+        if runner is None:
+            raise ModelNotFoundError(
+                f"model '{name}' has no version {version} loaded "
+                f"(loaded versions: {', '.join(map(str, sorted(versions)))})"
+            )
+        return runner
+
+    def model_names(self) -> list[str]:
+        """Names of the loaded models, sorted."""
+        return sorted(self._runners)
+
+    def versions(self, name: str) -> list[int]:
+        """Loaded versions of ``name``, ascending (empty if not loaded)."""
+        return sorted(self._runners.get(name, {}))
+
+    def statistics(
+        self, name: str | None = None, version: int | None = None
+    ) -> list[ModelStatistics]:
+        """Statistics of every loaded version of every model, of ``name``, or of one version.
+
+        Raises:
+            ModelNotFoundError: ``name`` (or that version of it) is not loaded.
+        """
+        if name is None:
+            return [r.statistics() for n in self.model_names() for r in self._sorted(n)]
+        if version is None:
+            self.resolve(name)
+            return [r.statistics() for r in self._sorted(name)]
+        return [self.resolve(name, version).statistics()]
+
+    def _sorted(self, name: str) -> list[Runner]:
+        return [r for _, r in sorted(self._runners.get(name, {}).items())]
+
+    def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
+        """Live per-step state of the latest version of an ensemble."""
+        runner = self.resolve(ensemble)
+        if not isinstance(runner, EnsembleRunner):
+            raise InvalidRequestError(f"model '{ensemble}' is not an ensemble")
+        return runner.step_statistics()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Check ``request`` against its model's config and run it.
+
+        Raises:
+            ModelNotFoundError: unknown model or version.
+            InvalidRequestError: bad inputs or requested outputs (nothing ran).
+            InferenceError: the model or a step of the ensemble failed.
+        """
+        runner = self.resolve(request.model_name, request.model_version)
+        config = runner.config
+        inputs = check_inputs(config, request.inputs)
+        if request.requested_outputs is not None:
+            unknown = sorted(request.requested_outputs - {t.name for t in config.output})
+            if unknown:
+                raise InvalidRequestError(
+                    f"model '{config.name}': requested unknown outputs "
+                    + ", ".join(f"'{o}'" for o in unknown)
+                    + f" (outputs: {', '.join(t.name for t in config.output)})"
+                )
+        request = attrs.evolve(request, inputs=inputs, model_version=runner.version)
+        stats = runner.stats
+        stats.pending += 1
+        self.observer.request_started(config.name, runner.version, request)
+        start = time.perf_counter_ns()
+        try:
+            response = await runner.infer(request)
+        except BaseException as exc:
+            duration = time.perf_counter_ns() - start
+            stats.pending -= 1
+            stats.request_finished(False, duration, 0)
+            self.observer.request_finished(config.name, runner.version, request, exc, duration)
+            raise
+        duration = time.perf_counter_ns() - start
+        stats.pending -= 1
+        stats.request_finished(True, duration, batch_size(config.max_batch_size, inputs))
+        self.observer.request_finished(config.name, runner.version, request, None, duration)
+        return response
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _loaded_configs(self) -> dict[str, ModelConfig]:
+        return {n: self._runners[n][max(v)].config for n, v in self._runners.items() if v}
+
+    async def load(self, models: Sequence[Model], *, replace: bool = True) -> None:
+        """Load ``models`` (several versions of one name allowed) next to what is loaded.
+
+        The resulting set is validated as a whole; new runners are compiled concurrently
+        and become visible together. A name already loaded is replaced (its old versions
+        are unloaded once the new ones are ready).
+
+        Raises:
+            ConfigError: the set would be invalid (every problem listed).
+            ModelLoadError: a model's code failed to load or compile.
+        """
+        async with self._lock:
+            await self._load_locked(models, replace=replace)
+
+    async def _load_locked(self, models: Sequence[Model], *, replace: bool) -> None:
+        new: dict[str, dict[int, Model]] = {}
+        errors: list[str] = []
+        for model in models:
+            errors.extend(check_model(model))
+            if model.version in new.setdefault(model.name, {}):
+                errors.append(f"model '{model.name}' version {model.version} is defined twice")
+            new[model.name][model.version] = model
+            if not replace and model.name in self._runners:
+                errors.append(f"model '{model.name}' is already loaded")
+        configs = self._loaded_configs()
+        versions: dict[str, Iterable[int]] = {n: list(v) for n, v in self._runners.items()}
+        for name, defs in new.items():
+            latest = defs[max(defs)]
+            if any(d.config != latest.config for d in defs.values()):
+                errors.append(f"model '{name}': all versions must share one config")
+            configs[name] = latest.config
+            versions[name] = list(defs)
+        errors.extend(validate_repository(configs, versions))
+        if errors:
+            raise ConfigError(list(dict.fromkeys(errors)))
+
+        started: dict[str, dict[int, Runner]] = {}
+
+        async def start(runner: Runner, serve: object) -> None:
+            await self.nursery.start(serve)  # type: ignore[arg-type]
+            started.setdefault(runner.config.name, {})[runner.version] = runner
+
+        plain = [m for defs in new.values() for m in defs.values() if not m.config.is_ensemble]
+        ensembles = [m for defs in new.values() for m in defs.values() if m.config.is_ensemble]
+        try:
+            async with trio.open_nursery() as loader:
+                for model in plain:
+                    runner = ModelRunner(model, self.observer)
+                    loader.start_soon(start, runner, runner.serve)
+        except BaseExceptionGroup as group:
+            await self._close_runners(started)
+            raise _single_error(group) from None
+        except BaseException:
+            await self._close_runners(started)
+            raise
+        for model in ensembles:
+            ensemble = EnsembleRunner(model.config, model.version, self.infer, self.observer)
+            await self.nursery.start(ensemble.serve)
+            started.setdefault(model.name, {})[model.version] = ensemble
+        old = {name: self._runners.get(name, {}) for name in started}
+        for name, runners in started.items():
+            self._runners[name] = runners
+            self._definitions[name] = new[name]
+        await self._close_runners(old)
+
+    async def _close_runners(self, runners: Mapping[str, Mapping[int, Runner]]) -> None:
+        for versions in runners.values():
+            for runner in versions.values():
+                if isinstance(runner, EnsembleRunner):
+                    await runner.close()
+                elif isinstance(runner, ModelRunner):
+                    runner.close()
+
+    def dependents(self, name: str) -> list[str]:
+        """Loaded ensembles that have a step using ``name``."""
+        out = []
+        for other, config in self._loaded_configs().items():
+            if config.ensemble_scheduling is not None and any(
+                s.model_name == name for s in config.ensemble_scheduling.step
+            ):
+                out.append(other)
+        return sorted(out)
+
+    async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
+        """Unload every version of ``name``; running requests finish first.
+
+        Raises:
+            ModelNotFoundError: ``name`` is not loaded.
+            ConfigError: loaded ensembles use ``name`` and ``unload_dependents`` is False.
+        """
+        async with self._lock:
+            self.resolve(name)
+            users = self.dependents(name)
+            if users and not unload_dependents:
+                raise ConfigError(
+                    f"model '{name}' is used by ensembles {', '.join(users)}; unload them "
+                    "first or pass unload_dependents=True"
+                )
+            order = [*users, name] if unload_dependents else [name]
+            for victim in order:
+                runners = self._runners.pop(victim, {})
+                self._definitions.pop(victim, None)
+                await self._close_runners({victim: runners})
+
+    async def close(self) -> None:
+        """Unload everything: ensembles first (they drain through their models), then models."""
+        async with self._lock:
+            ensembles = {n: r for n, r in self._runners.items() if self._is_ensemble(n)}
+            others = {n: r for n, r in self._runners.items() if n not in ensembles}
+            self._runners = {}
+            await self._close_runners(ensembles)
+            await self._close_runners(others)
+
+    def _is_ensemble(self, name: str) -> bool:
+        versions = self._runners.get(name) or {}
+        return any(isinstance(r, EnsembleRunner) for r in versions.values())
+
+    # -- repository ------------------------------------------------------------------------
+
+    async def read_repository(self, names: Sequence[str] | None = None) -> list[Model]:
+        """Read models from the repository folder: all of them, or ``names`` plus the
+        composing models their ensembles need that are not loaded yet. Nothing is loaded.
+
+        Raises:
+            ConfigError: the repository or a config is wrong (files and fields named).
+            ModelLoadError: a ``model.py`` failed to import.
+        """
+        if self.repository is None:
+            raise ConfigError("no model repository was configured")
+        root = self.repository
+        if names is None:
+            entries, errors = await trio.to_thread.run_sync(scan_repository, root)
+        else:
+            entries, errors = await trio.to_thread.run_sync(self._scan_closure, root, list(names))
+        if errors:
+            raise ConfigError(errors)
+        return await trio.to_thread.run_sync(_load_code, entries)
+
+    def _scan_closure(
+        self, root: Path, names: list[str]
+    ) -> tuple[list[RepositoryEntry], list[str]]:
+        entries: dict[str, RepositoryEntry] = {}
+        errors: list[str] = []
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            if name in entries:
+                continue
+            folder = (root / name).resolve()
+            if folder.parent != root.resolve() or not folder.is_dir():
+                errors.append(f"{root}: has no model folder '{name}'")
+                continue
+            entry, problems = scan_model_folder(folder)
+            errors.extend(problems)
+            if entry is None:
+                continue
+            entries[name] = entry
+            sched = entry.config.ensemble_scheduling
+            if sched is not None:
+                todo.extend(
+                    s.model_name
+                    for s in sched.step
+                    if s.model_name not in self._runners and s.model_name not in entries
+                )
+        return list(entries.values()), errors
+
+
+def _load_code(entries: Sequence[RepositoryEntry]) -> list[Model]:
+    models: list[Model] = []
+    errors: list[str] = []
+    for entry in entries:
+        for version in entry.versions:
+            try:
+                models.append(load_model_code(entry, version))
+            except ConfigError as exc:
+                errors.extend(exc.errors)
+            except ModelLoadError as exc:
+                errors.append(str(exc))
+    if errors:
+        raise ModelLoadError("\n".join(errors))
+    return models

@@ -1,0 +1,157 @@
+"""Reading a Triton-layout model repository from disk.
+
+Layout: ``<root>/<model>/config.pbtxt`` and numbered version folders
+``<root>/<model>/<version>/model.py``. Folder names that are not positive integers (or that
+start with ``0``) are not versions and are ignored. ``version_policy`` picks which versions
+are served (default: the latest one). `scan_repository` reads configs only and reports every
+problem it finds; `load_model_code` imports one version's ``model.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from ..protocols import ConfigError, ModelConfig, ModelLoadError, VersionPolicy, parse_model_config
+from ._definition import Model, check_model
+
+CONFIG_FILE = "config.pbtxt"
+DEFAULT_MODEL_FILE = "model.py"
+_module_ids = itertools.count()
+
+
+@attrs.frozen(kw_only=True)
+class RepositoryEntry:
+    """One model folder of a repository, its config read and its versions chosen."""
+
+    name: str
+    config: ModelConfig
+    path: Path
+    versions: tuple[int, ...]
+    """The versions ``version_policy`` selects, ascending."""
+
+    def model_file(self, version: int) -> Path:
+        """The code file of ``version``."""
+        filename = self.config.default_model_filename or DEFAULT_MODEL_FILE
+        return self.path / str(version) / filename
+
+
+def _version_folders(path: Path) -> list[int]:
+    return sorted(
+        int(p.name)
+        for p in path.iterdir()
+        if p.is_dir() and p.name.isdigit() and not p.name.startswith("0")
+    )
+
+
+def select_versions(available: Sequence[int], policy: VersionPolicy | None) -> tuple[int, ...]:
+    """The versions a ``version_policy`` serves out of ``available`` (ascending)."""
+    ordered = sorted(available)
+    if policy is None:
+        return tuple(ordered[-1:])
+    if policy.all:
+        return tuple(ordered)
+    if policy.specific is not None:
+        return tuple(v for v in ordered if v in set(policy.specific))
+    return tuple(ordered[-(policy.latest or 1) :])
+
+
+def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
+    """Read one model folder: its config and its version folders."""
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        return None, [f"{config_path}: missing (every model folder needs a {CONFIG_FILE})"]
+    try:
+        config = parse_model_config(config_path.read_text(), source=str(config_path))
+    except ConfigError as exc:
+        return None, list(exc.errors)
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [f"{config_path}: cannot be read: {exc}"]
+    errors = []
+    if not config.name:
+        config = attrs.evolve(config, name=path.name)
+    elif config.name != path.name:
+        errors.append(
+            f"{config_path}: field name: '{config.name}' does not match the folder "
+            f"name '{path.name}'"
+        )
+    available = _version_folders(path)
+    if not available:
+        errors.append(f"{path}: no version folder (add '1/'; an ensemble's may be empty)")
+    versions = select_versions(available, config.version_policy)
+    if available and not versions:
+        errors.append(
+            f"{config_path}: field version_policy: selects none of the versions present "
+            f"({', '.join(map(str, available))})"
+        )
+    if config.version_policy is not None and config.version_policy.specific:
+        absent = sorted(set(config.version_policy.specific) - set(available))
+        if absent:
+            errors.append(f"{config_path}: field version_policy: versions {absent} have no folder")
+    entry = RepositoryEntry(name=config.name, config=config, path=path, versions=versions)
+    if not config.is_ensemble:
+        for version in versions:
+            code = entry.model_file(version)
+            if not code.is_file():
+                errors.append(f"{code}: missing (the code of version {version})")
+    return entry, errors
+
+
+def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
+    """Read every model folder under ``root``.
+
+    Returns:
+        the entries that could be read, and every problem found (files named).
+    """
+    if not root.is_dir():
+        return [], [f"{root}: model repository is not a directory"]
+    entries, errors = [], []
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        entry, problems = scan_model_folder(path)
+        errors.extend(problems)
+        if entry is not None:
+            entries.append(entry)
+    return entries, errors
+
+
+def load_model_code(entry: RepositoryEntry, version: int) -> Model:
+    """Import the ``model.py`` of one version and bind it to its config.
+
+    Raises:
+        ModelLoadError: importing the file raised (the message names the file and keeps the
+            original error).
+        ConfigError: the file breaks the ``model.py`` contract.
+    """
+    config = entry.config
+    if config.is_ensemble:
+        return Model(config=config, version=version, source=str(entry.path / CONFIG_FILE))
+    path = entry.model_file(version)
+    module_name = f"_orchestrion_models.m{next(_module_ids)}_{entry.name}_v{version}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"{path}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.modules.pop(module_name, None)
+    model = Model(
+        config=config,
+        execute=getattr(module, "execute", None),
+        initialize=getattr(module, "initialize", None),
+        jit=bool(getattr(module, "JIT", True)),
+        version=version,
+        source=str(path),
+    )
+    errors = check_model(model)
+    if errors:
+        raise ConfigError(errors)
+    return model

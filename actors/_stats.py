@@ -1,0 +1,72 @@
+"""Mutable counters behind `ModelStatistics` snapshots (one recorder per model version)."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from ..protocols import DurationStatistics, InferStatistics, ModelStatistics
+
+
+@attrs.define(eq=False)
+class StatsRecorder:
+    """Accumulates Triton's statistics for one model version; `snapshot` freezes them."""
+
+    name: str
+    version: int
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_count: int = 0
+    queue_ns: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    pending: int = 0
+
+    def request_finished(self, ok: bool, duration_ns: int, batch_size: int) -> None:
+        """Count one answered request."""
+        if ok:
+            self.success_count += 1
+            self.success_ns += duration_ns
+            self.inference_count += batch_size
+        else:
+            self.fail_count += 1
+            self.fail_ns += duration_ns
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def execution_finished(
+        self, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
+        """Count one run of ``execute``."""
+        self.execution_count += 1
+        self.queue_count += 1
+        self.queue_ns += queue_ns
+        self.input_ns += input_ns
+        self.infer_ns += infer_ns
+        self.output_ns += output_ns
+
+    def snapshot(self) -> ModelStatistics:
+        """A frozen copy of the counters."""
+        n = self.execution_count
+        return ModelStatistics(
+            name=self.name,
+            version=self.version,
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            pending_request_count=self.pending,
+            inference_stats=InferStatistics(
+                success=DurationStatistics(count=self.success_count, ns=self.success_ns),
+                fail=DurationStatistics(count=self.fail_count, ns=self.fail_ns),
+                queue=DurationStatistics(count=self.queue_count, ns=self.queue_ns),
+                compute_input=DurationStatistics(count=n, ns=self.input_ns),
+                compute_infer=DurationStatistics(count=n, ns=self.infer_ns),
+                compute_output=DurationStatistics(count=n, ns=self.output_ns),
+            ),
+        )

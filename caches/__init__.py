@@ -1,0 +1,1 @@
+"""Response caches (local LRU, Redis, plugins). Empty until the response-cache work lands."""

@@ -1,0 +1,358 @@
+"""The dataflow graph of an ensemble, and every load-time rule it must satisfy.
+
+How this works: an ensemble is a set of named tensors. Each tensor is produced exactly once,
+either by the client (an ensemble input) or by one step's ``output_map``, and consumed by the
+steps whose ``input_map`` names it (or returned as an ensemble output). `validate_ensemble`
+checks the wiring against the composing models' configs and returns every problem it finds,
+each naming the ensemble, the step and the tensor. `EnsembleGraph` is the checked wiring in the
+form the scheduler runs: for each step its inputs and outputs, and for each tensor its consumers.
+Pruning is a backwards walk from the requested outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from ._config import ModelConfig, TensorConfig
+
+MAX_INFLIGHT_LIMIT = 2**32
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    """One step as the scheduler sees it."""
+
+    index: int
+    model_name: str
+    model_version: int
+    """-1 for the latest version (0 and -1 in the config both mean latest)."""
+    inputs: tuple[tuple[str, str], ...]
+    """(model input name, ensemble tensor name) pairs."""
+    outputs: tuple[tuple[str, str], ...]
+    """(model output name, ensemble tensor name) pairs."""
+
+    def describe(self, ensemble: str) -> str:
+        """``ensemble 'e' step[1] (model 'm')``, the prefix of messages about this step."""
+        return f"ensemble '{ensemble}' step[{self.index}] (model '{self.model_name}')"
+
+
+@attrs.frozen(kw_only=True)
+class EnsembleGraph:
+    """The validated wiring of an ensemble."""
+
+    name: str
+    steps: tuple[StepPlan, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    consumers: Mapping[str, tuple[int, ...]]
+    """For each tensor, the indices of the steps that take it as an input."""
+    producer: Mapping[str, int]
+    """For each intermediate or output tensor, the index of the step that makes it."""
+    _needed: dict[frozenset[str], frozenset[int]] = attrs.field(
+        factory=dict, init=False, eq=False, repr=False
+    )
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> EnsembleGraph:
+        """The graph of an ensemble config (which should have passed `validate_ensemble`)."""
+        assert config.ensemble_scheduling is not None
+        steps = tuple(
+            StepPlan(
+                index=i,
+                model_name=s.model_name,
+                model_version=-1 if s.model_version <= 0 else s.model_version,
+                inputs=tuple(sorted(s.input_map.items())),
+                outputs=tuple(sorted(s.output_map.items())),
+            )
+            for i, s in enumerate(config.ensemble_scheduling.step)
+        )
+        consumers: dict[str, list[int]] = {}
+        producer: dict[str, int] = {}
+        for step in steps:
+            for _, tensor in step.inputs:
+                consumers.setdefault(tensor, []).append(step.index)
+            for _, tensor in step.outputs:
+                producer[tensor] = step.index
+        return cls(
+            name=config.name,
+            steps=steps,
+            inputs=tuple(t.name for t in config.input),
+            outputs=tuple(t.name for t in config.output),
+            consumers={t: tuple(dict.fromkeys(c)) for t, c in consumers.items()},
+            producer=producer,
+        )
+
+    def needed_steps(self, requested: frozenset[str]) -> frozenset[int]:
+        """The steps that must run to produce ``requested`` outputs (everything else is pruned)."""
+        cached = self._needed.get(requested)
+        if cached is not None:
+            return cached
+        needed: set[int] = set()
+        todo = [self.producer[t] for t in requested if t in self.producer]
+        while todo:
+            index = todo.pop()
+            if index in needed:
+                continue
+            needed.add(index)
+            todo.extend(self.producer[t] for _, t in self.steps[index].inputs if t in self.producer)
+        result = self._needed[requested] = frozenset(needed)
+        return result
+
+
+def _full_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
+    return ((-1,) if max_batch_size > 0 else ()) + tensor.dims
+
+
+def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+@attrs.define
+class _TensorInfo:
+    """What is known about an ensemble tensor while validating: where it comes from."""
+
+    source: str
+    data_type: object
+    shape: tuple[int, ...]
+    step: int | None  # None for an ensemble input
+
+
+def validate_ensemble(
+    config: ModelConfig,
+    models: Mapping[str, ModelConfig],
+    versions: Mapping[str, Iterable[int]] | None = None,
+) -> list[str]:
+    """Check an ensemble against SPEC §3 and return every problem found (empty when valid).
+
+    Args:
+        config: the ensemble's config.
+        models: the configs of the other models of the repository, by name.
+        versions: the versions available for each model, when known; used to check steps
+            that ask for a specific ``model_version``.
+    """
+    name = config.name
+    errors: list[str] = []
+    sched = config.ensemble_scheduling
+    if sched is None:
+        return [f"ensemble '{name}': platform 'ensemble' needs ensemble_scheduling"]
+    for field, present in (
+        ("backend", bool(config.backend)),
+        ("instance_group", bool(config.instance_group)),
+        ("optimization", config.optimization is not None),
+        ("model_warmup", bool(config.model_warmup)),
+    ):
+        if present:
+            errors.append(f"ensemble '{name}': an ensemble must not set '{field}'")
+    if not 0 <= sched.max_inflight_requests < MAX_INFLIGHT_LIMIT:
+        errors.append(
+            f"ensemble '{name}': max_inflight_requests must be an integer in [0, 2^32), "
+            f"got {sched.max_inflight_requests}"
+        )
+    if not sched.step:
+        errors.append(f"ensemble '{name}': ensemble_scheduling has no step")
+        return errors
+
+    tensors: dict[str, _TensorInfo] = {}
+    for t in config.input:
+        tensors[t.name] = _TensorInfo(
+            source=f"ensemble input '{t.name}'",
+            data_type=t.data_type,
+            shape=_full_shape(t, config.max_batch_size),
+            step=None,
+        )
+    graph = EnsembleGraph.from_config(config)
+    unknown = sorted(
+        {s.model_name for s in graph.steps if s.model_name and s.model_name not in models}
+    )
+    if unknown:
+        errors.append(
+            f"ensemble '{name}': steps use models that are not in the repository: "
+            + ", ".join(f"'{m}'" for m in unknown)
+        )
+
+    # Pass 1: outputs, each tensor produced once.
+    for step in graph.steps:
+        where = step.describe(name)
+        raw = sched.step[step.index]
+        if not step.model_name:
+            errors.append(f"ensemble '{name}' step[{step.index}]: model_name is required")
+        if not raw.input_map:
+            errors.append(f"{where}: input_map is required")
+        if not raw.output_map:
+            errors.append(f"{where}: output_map is required")
+        model = models.get(step.model_name)
+        if model is not None and versions is not None and step.model_version > 0:
+            available = sorted(versions.get(step.model_name, ()))
+            if step.model_version not in available:
+                errors.append(
+                    f"{where}: requires version {step.model_version}, which is not available "
+                    f"(available: {', '.join(map(str, available)) or 'none'})"
+                )
+        if (
+            model is not None
+            and config.max_batch_size > 0
+            and 0 < model.max_batch_size < config.max_batch_size
+        ):
+            errors.append(
+                f"{where}: the model's max_batch_size {model.max_batch_size} is smaller than "
+                f"the ensemble's max_batch_size {config.max_batch_size}"
+            )
+        for model_output, tensor in step.outputs:
+            out = model.output_named(model_output) if model else None
+            if model is not None and out is None:
+                errors.append(
+                    f"{where}: output_map key '{model_output}' is not an output of the model "
+                    f"(outputs: {', '.join(o.name for o in model.output) or 'none'})"
+                )
+            if tensor in tensors:
+                errors.append(
+                    f"{where}: tensor '{tensor}' is produced more than once "
+                    f"(also by {tensors[tensor].source})"
+                )
+                continue
+            tensors[tensor] = _TensorInfo(
+                source=f"step[{step.index}] (model '{step.model_name}') output '{model_output}'",
+                data_type=out.data_type if out else None,
+                shape=_full_shape(out, model.max_batch_size) if out and model else (),
+                step=step.index,
+            )
+
+    # Pass 2: inputs, types and shapes along each tensor.
+    consumed: set[str] = set()
+    for step in graph.steps:
+        where = step.describe(name)
+        model = models.get(step.model_name)
+        for model_input, tensor in step.inputs:
+            consumed.add(tensor)
+            info = tensors.get(tensor)
+            if info is None:
+                errors.append(
+                    f"{where}: input '{model_input}' takes tensor '{tensor}', which is neither "
+                    "an ensemble input nor produced by any step"
+                )
+            if model is None:
+                continue
+            inp = model.input_named(model_input)
+            if inp is None:
+                errors.append(
+                    f"{where}: input_map key '{model_input}' is not an input of the model "
+                    f"(inputs: {', '.join(i.name for i in model.input) or 'none'})"
+                )
+                continue
+            if info is None or info.data_type is None:
+                continue
+            if info.data_type != inp.data_type:
+                errors.append(
+                    f"{where}: tensor '{tensor}' is {info.data_type.name} "  # type: ignore[attr-defined]
+                    f"({info.source}) but input '{model_input}' expects "
+                    f"{inp.data_type.name}"
+                )
+            shape = _full_shape(inp, model.max_batch_size)
+            if info.shape and not _shapes_agree(info.shape, shape):
+                errors.append(
+                    f"{where}: tensor '{tensor}' has shape {_fmt_shape(info.shape)} "
+                    f"({info.source}) but input '{model_input}' expects {_fmt_shape(shape)}"
+                )
+        if model is not None:
+            mapped = {m for m, _ in step.inputs}
+            missing = [i.name for i in model.input if not i.optional and i.name not in mapped]
+            if missing:
+                errors.append(
+                    f"{where}: required model inputs are not mapped in input_map: "
+                    + ", ".join(f"'{m}'" for m in missing)
+                )
+
+    for t in config.input:
+        if t.name not in consumed:
+            errors.append(f"ensemble '{name}': ensemble input '{t.name}' is not used by any step")
+    outputs = {t.name for t in config.output}
+    for t in config.output:
+        info = tensors.get(t.name)
+        if info is None or info.step is None:
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' is not produced by any step"
+            )
+            continue
+        if info.data_type is not None and info.data_type != t.data_type:
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' is {t.data_type.name} but "
+                f"{info.source} is {info.data_type.name}"  # type: ignore[attr-defined]
+            )
+        shape = _full_shape(t, config.max_batch_size)
+        if info.shape and not _shapes_agree(info.shape, shape):
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' has shape {_fmt_shape(shape)} "
+                f"but {info.source} has shape {_fmt_shape(info.shape)}"
+            )
+    for tensor, info in tensors.items():
+        if info.step is not None and tensor not in consumed and tensor not in outputs:
+            errors.append(
+                f"ensemble '{name}': tensor '{tensor}' ({info.source}) is neither consumed "
+                "by a step nor an ensemble output"
+            )
+
+    errors.extend(_reachability_errors(config, graph, tensors))
+    errors.extend(_decoupled_errors(config, graph, models))
+    return errors
+
+
+def _reachability_errors(
+    config: ModelConfig, graph: EnsembleGraph, tensors: Mapping[str, _TensorInfo]
+) -> list[str]:
+    """Outputs must be computable from the inputs (a step whose inputs never exist never runs)."""
+    available = {t.name for t in config.input}
+    ran: set[int] = set()
+    progress = True
+    while progress:
+        progress = False
+        for step in graph.steps:
+            if step.index not in ran and all(t in available for _, t in step.inputs):
+                ran.add(step.index)
+                available.update(t for _, t in step.outputs)
+                progress = True
+    errors = []
+    for t in config.output:
+        info = tensors.get(t.name)
+        if info is not None and info.step is not None and t.name not in available:
+            errors.append(
+                f"ensemble '{config.name}': ensemble output '{t.name}' is not reachable from "
+                "the ensemble inputs (the steps leading to it wait on each other or on "
+                "tensors nobody produces)"
+            )
+    return errors
+
+
+def _decoupled_errors(
+    config: ModelConfig, graph: EnsembleGraph, models: Mapping[str, ModelConfig]
+) -> list[str]:
+    """A step may not combine iterations of different decoupled producers."""
+    origin: dict[str, frozenset[int]] = {t.name: frozenset() for t in config.input}
+    errors = []
+    # Steps in dependency order; unreachable ones were reported already.
+    pending = list(graph.steps)
+    while pending:
+        ready = [s for s in pending if all(t in origin for _, t in s.inputs)]
+        if not ready:
+            break
+        for step in ready:
+            pending.remove(step)
+            sources = frozenset().union(*(origin[t] for _, t in step.inputs))
+            if len(sources) > 1:
+                names = ", ".join(
+                    f"step[{i}] (model '{graph.steps[i].model_name}')" for i in sorted(sources)
+                )
+                errors.append(
+                    f"{step.describe(config.name)}: takes inputs from different decoupled "
+                    f"producers: {names}"
+                )
+            model = models.get(step.model_name)
+            produced = frozenset({step.index}) if model and model.decoupled else sources
+            for _, t in step.outputs:
+                origin[t] = produced
+    return errors

@@ -1,0 +1,55 @@
+"""Request and response messages, as they travel between the API, ensembles and models.
+
+Tensors are numpy arrays keyed by name; equality and reprs skip them so that comparing or
+logging a message never walks an array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import attrs
+import numpy as np
+
+ParameterValue: TypeAlias = str | int | float | bool
+Tensors: TypeAlias = Mapping[str, np.ndarray[Any, Any]]
+
+
+def _mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return {} if value is None else value
+
+
+@attrs.frozen(kw_only=True)
+class InferRequest:
+    """One inference request for one model (or ensemble).
+
+    Everything except the tensors is metadata that an ensemble forwards, unchanged, to the
+    requests it makes of its composing models.
+    """
+
+    model_name: str
+    model_version: int = -1
+    """-1 (or 0) asks for the latest loaded version."""
+    inputs: Tensors = attrs.field(factory=dict, eq=False, repr=False)
+    requested_outputs: frozenset[str] | None = None
+    """Names of the outputs wanted; None for all of them."""
+    request_id: str = ""
+    parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict, converter=_mapping)
+    priority: int = 0
+    timeout: float | None = None
+    """Seconds the whole request may take; None for no limit."""
+    sequence_id: int | str = 0
+    sequence_start: bool = False
+    sequence_end: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class InferResponse:
+    """The answer to an `InferRequest`: output tensors and response parameters."""
+
+    model_name: str
+    model_version: int
+    request_id: str = ""
+    outputs: Tensors = attrs.field(factory=dict, eq=False, repr=False)
+    parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)

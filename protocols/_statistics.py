@@ -1,0 +1,64 @@
+"""Frozen statistics snapshots, in the shape of Triton's statistics extension."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class DurationStatistics:
+    """How many times something happened and the total nanoseconds it took."""
+
+    count: int = 0
+    ns: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class InferStatistics:
+    """Triton's ``InferStatistics``: per-outcome counts and cumulative durations."""
+
+    success: DurationStatistics = DurationStatistics()
+    """Requests answered successfully (cache hits included), end-to-end duration."""
+    fail: DurationStatistics = DurationStatistics()
+    """Requests answered with an error (cancellations and timeouts included)."""
+    queue: DurationStatistics = DurationStatistics()
+    """Time requests waited for a model instance."""
+    compute_input: DurationStatistics = DurationStatistics()
+    compute_infer: DurationStatistics = DurationStatistics()
+    compute_output: DurationStatistics = DurationStatistics()
+    cache_hit: DurationStatistics = DurationStatistics()
+    cache_miss: DurationStatistics = DurationStatistics()
+
+
+@attrs.frozen(kw_only=True)
+class ModelStatistics:
+    """Triton's ``ModelStatistics`` for one model version."""
+
+    name: str
+    version: int
+    last_inference: int = 0
+    """Milliseconds since the epoch of the last request's end (0: none yet)."""
+    inference_count: int = 0
+    """Inferences performed: a request of batch size B counts B."""
+    execution_count: int = 0
+    """Model executions (a batched execution counts once)."""
+    inference_stats: InferStatistics = InferStatistics()
+    pending_request_count: int = 0
+    """Requests accepted and not yet answered."""
+
+
+@attrs.frozen(kw_only=True)
+class StepStatistics:
+    """The live state of one ensemble step (orchestrion's own, not in Triton)."""
+
+    ensemble: str
+    step: int
+    model_name: str
+    queued: int
+    """Requests waiting in the step's channel."""
+    in_flight: int
+    """Requests sent to the composing model and not yet answered."""
+    max_inflight_requests: int
+    """The step's limit (0 = unbounded)."""
+    blocked_ns: int
+    """Total nanoseconds producers spent waiting for room in this step's channel."""

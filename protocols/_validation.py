@@ -1,0 +1,184 @@
+"""Load-time rules for single model configs and for a repository of them as a whole.
+
+Every function here returns the list of problems it found instead of raising at the first one,
+so that ``orchestrion validate`` can report everything at once; loaders raise `ConfigError`
+with the whole list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ._config import ModelConfig, TensorConfig
+from ._dtypes import DataType
+from ._ensemble import validate_ensemble
+
+
+def _tensor_errors(model: str, kind: str, tensor: TensorConfig, batching: bool) -> list[str]:
+    where = f"model '{model}' {kind} '{tensor.name}'"
+    errors = []
+    if not tensor.name:
+        errors.append(f"model '{model}': an {kind} has no name")
+    if any(d < -1 or d == 0 for d in tensor.dims):
+        errors.append(f"{where}: dims must be positive or -1, got {list(tensor.dims)}")
+    if not tensor.dims and not batching:
+        errors.append(f"{where}: dims is empty (scalars need max_batch_size > 0 or dims: [1])")
+    if tensor.reshape is not None:
+        known = [d for d in tensor.dims if d != -1]
+        target = [d for d in tensor.reshape.shape if d != -1]
+        if len(known) == len(tensor.dims) and len(target) == len(tensor.reshape.shape):
+            size = 1
+            for d in known:
+                size *= d
+            new = 1
+            for d in target:
+                new *= d
+            if size != new:
+                errors.append(
+                    f"{where}: reshape {list(tensor.reshape.shape)} has {new} elements but "
+                    f"dims {list(tensor.dims)} have {size}"
+                )
+    return errors
+
+
+def validate_model_config(config: ModelConfig) -> list[str]:
+    """Rules of one config that need no other model (names, dims, kinds, ensemble fields)."""
+    name = config.name
+    errors: list[str] = []
+    if not name:
+        errors.append("a model config has no name")
+    if config.max_batch_size < 0:
+        errors.append(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    if config.is_ensemble != (config.ensemble_scheduling is not None):
+        if config.is_ensemble:
+            errors.append(f"ensemble '{name}': platform 'ensemble' needs ensemble_scheduling")
+        else:
+            errors.append(
+                f"model '{name}': ensemble_scheduling is only allowed with platform 'ensemble'"
+            )
+    if config.platform and not config.is_ensemble:
+        errors.append(
+            f"model '{name}': platform '{config.platform}' is not supported "
+            "(use 'ensemble', or backend 'python'/'jax' or nothing for Python models)"
+        )
+    if config.backend not in ("", "python", "jax"):
+        errors.append(
+            f"model '{name}': backend '{config.backend}' is not supported "
+            "(orchestrion runs Python/JAX models: backend 'python', 'jax' or empty)"
+        )
+    batching = config.max_batch_size > 0
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for tensor in tensors:
+            if tensor.name in seen:
+                errors.append(f"model '{name}': {kind} '{tensor.name}' is declared twice")
+            seen.add(tensor.name)
+            errors.extend(_tensor_errors(name, kind, tensor, batching))
+    if not config.is_ensemble:
+        if not config.output:
+            errors.append(f"model '{name}': a model needs at least one output")
+        for group in config.instance_group:
+            if group.count < 1:
+                errors.append(f"model '{name}': instance_group count must be >= 1")
+    elif not config.output:
+        errors.append(f"ensemble '{name}': an ensemble needs at least one output")
+    policy = config.version_policy
+    if policy is not None:
+        if policy.latest is not None and policy.latest < 1:
+            errors.append(f"model '{name}': version_policy latest num_versions must be >= 1")
+        if policy.specific is not None and (
+            not policy.specific or any(v < 1 for v in policy.specific)
+        ):
+            errors.append(f"model '{name}': version_policy specific needs positive versions")
+    stateful = config.decoupled or config.sequence_batching is not None
+    if stateful and config.response_cache is not None and config.response_cache.enable:
+        kind = "decoupled" if config.decoupled else "sequence (stateful)"
+        errors.append(f"model '{name}': a {kind} model cannot enable response_cache")
+    return errors
+
+
+def _cycle_errors(models: Mapping[str, ModelConfig]) -> list[str]:
+    """Ensembles may nest, but not in cycles; each cycle is reported once with its path."""
+    errors: list[str] = []
+    reported: set[frozenset[str]] = set()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        path.append(name)
+        config = models[name]
+        assert config.ensemble_scheduling is not None
+        for step in config.ensemble_scheduling.step:
+            child = models.get(step.model_name)
+            if child is None or not child.is_ensemble or child.ensemble_scheduling is None:
+                continue
+            if state.get(child.name) == 1:
+                cycle = [*path[path.index(child.name) :], child.name]
+                if frozenset(cycle) not in reported:
+                    reported.add(frozenset(cycle))
+                    errors.append("ensembles form a cycle: " + " -> ".join(f"'{c}'" for c in cycle))
+            elif child.name not in state:
+                visit(child.name, path)
+        path.pop()
+        state[name] = 2
+
+    for name, config in sorted(models.items()):
+        if config.is_ensemble and config.ensemble_scheduling is not None and name not in state:
+            visit(name, [])
+    return errors
+
+
+def validate_repository(
+    models: Mapping[str, ModelConfig], versions: Mapping[str, Iterable[int]] | None = None
+) -> list[str]:
+    """Every rule for a set of models that will be served together.
+
+    Args:
+        models: configs by model name.
+        versions: available versions by model name, to check ``model_version`` of steps.
+    """
+    errors: list[str] = []
+    for config in models.values():
+        errors.extend(validate_model_config(config))
+    errors.extend(_cycle_errors(models))
+    for config in models.values():
+        if config.is_ensemble and config.ensemble_scheduling is not None:
+            errors.extend(validate_ensemble(config, models, versions))
+            errors.extend(_ensemble_cache_errors(config, models))
+    return errors
+
+
+def _ensemble_cache_errors(config: ModelConfig, models: Mapping[str, ModelConfig]) -> list[str]:
+    """An ensemble that contains a decoupled or stateful model cannot be cached.
+
+    Nested ensembles count: their composing models are searched too.
+    """
+    if config.response_cache is None or not config.response_cache.enable:
+        return []
+    assert config.ensemble_scheduling is not None
+    todo = [config]
+    seen = {config.name}  # cycles are reported elsewhere; just do not loop
+    while todo:
+        current = todo.pop(0)
+        assert current.ensemble_scheduling is not None
+        for step in current.ensemble_scheduling.step:
+            model = models.get(step.model_name)
+            if model is not None and (model.decoupled or model.sequence_batching is not None):
+                return [
+                    f"ensemble '{config.name}': cannot enable response_cache because it "
+                    f"contains the {'decoupled' if model.decoupled else 'sequence'} model "
+                    f"'{model.name}'"
+                ]
+            if (
+                model is not None
+                and model.ensemble_scheduling is not None
+                and model.name not in seen
+            ):
+                seen.add(model.name)
+                todo.append(model)
+    return []
+
+
+def bytes_tensors(config: ModelConfig) -> list[str]:
+    """Names of the BYTES inputs and outputs of ``config`` (which JAX cannot trace)."""
+    return [t.name for t in (*config.input, *config.output) if t.data_type is DataType.BYTES]
