@@ -1,31 +1,86 @@
 """orchestrion: Triton-style ensembles of JAX models, served from inside a Python process.
 
 Open a server with `open_server` (trio) or `Server` (blocking), then call ``infer``.
+
+The names below are imported on first use (PEP 562), so that ``import orchestrion.protocols``
+(the pure core) does not pull in trio or JAX.
 """
 
-from ._blocking import Server as Server
-from ._server import AsyncServer as AsyncServer
-from ._server import open_server as open_server
-from .actors import Model as Model
-from .protocols import ConfigError as ConfigError
-from .protocols import DataType as DataType
-from .protocols import EnsembleScheduling as EnsembleScheduling
-from .protocols import EnsembleStep as EnsembleStep
-from .protocols import InferenceError as InferenceError
-from .protocols import InferenceTimeoutError as InferenceTimeoutError
-from .protocols import InferRequest as InferRequest
-from .protocols import InferResponse as InferResponse
-from .protocols import InstanceGroup as InstanceGroup
-from .protocols import InstanceKind as InstanceKind
-from .protocols import InvalidRequestError as InvalidRequestError
-from .protocols import ModelConfig as ModelConfig
-from .protocols import ModelLoadError as ModelLoadError
-from .protocols import ModelNotFoundError as ModelNotFoundError
-from .protocols import ModelStatistics as ModelStatistics
-from .protocols import Observer as Observer
-from .protocols import OrchestrionError as OrchestrionError
-from .protocols import ServerClosedError as ServerClosedError
-from .protocols import StepStatistics as StepStatistics
-from .protocols import TensorConfig as TensorConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._blocking import Server as Server
+    from ._server import AsyncServer as AsyncServer
+    from ._server import open_server as open_server
+    from .actors import Model as Model
+    from .protocols import ConfigError as ConfigError
+    from .protocols import DataType as DataType
+    from .protocols import EnsembleScheduling as EnsembleScheduling
+    from .protocols import EnsembleStep as EnsembleStep
+    from .protocols import InferenceError as InferenceError
+    from .protocols import InferenceTimeoutError as InferenceTimeoutError
+    from .protocols import InferRequest as InferRequest
+    from .protocols import InferResponse as InferResponse
+    from .protocols import InstanceGroup as InstanceGroup
+    from .protocols import InstanceKind as InstanceKind
+    from .protocols import InvalidRequestError as InvalidRequestError
+    from .protocols import ModelConfig as ModelConfig
+    from .protocols import ModelLoadError as ModelLoadError
+    from .protocols import ModelNotFoundError as ModelNotFoundError
+    from .protocols import ModelStatistics as ModelStatistics
+    from .protocols import Observer as Observer
+    from .protocols import OrchestrionError as OrchestrionError
+    from .protocols import ServerClosedError as ServerClosedError
+    from .protocols import StepStatistics as StepStatistics
+    from .protocols import TensorConfig as TensorConfig
 
 __version__ = "0.1.0.dev0"
+
+_WHERE = {
+    "Server": "._blocking",
+    "AsyncServer": "._server",
+    "open_server": "._server",
+    "Model": ".actors",
+    **{
+        name: ".protocols"
+        for name in (
+            "ConfigError",
+            "DataType",
+            "EnsembleScheduling",
+            "EnsembleStep",
+            "InferenceError",
+            "InferenceTimeoutError",
+            "InferRequest",
+            "InferResponse",
+            "InstanceGroup",
+            "InstanceKind",
+            "InvalidRequestError",
+            "ModelConfig",
+            "ModelLoadError",
+            "ModelNotFoundError",
+            "ModelStatistics",
+            "Observer",
+            "OrchestrionError",
+            "ServerClosedError",
+            "StepStatistics",
+            "TensorConfig",
+        )
+    },
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'orchestrion' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -13,8 +13,16 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import jax
 
-from ..protocols import ConfigError, ModelConfig, bytes_tensors
+from ..protocols import ConfigError, DataType, ModelConfig, bytes_tensors
+
+_WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
+
+
+def _x64_enabled() -> bool:
+    """Whether JAX computes with 64-bit types (``JAX_ENABLE_X64``)."""
+    return bool(jax.config.read("jax_enable_x64"))  # type: ignore[no-untyped-call]
 
 
 @attrs.define(eq=False)
@@ -78,6 +86,13 @@ def check_model(model: Model) -> list[str]:
         errors.append(
             f"{where}: BYTES tensors ({', '.join(bytes_tensors(config))}) cannot pass through "
             "jax.jit; set JIT = False in the model (or jit=False)"
+        )
+    wide = [t.name for t in (*config.input, *config.output) if t.data_type in _WIDE]
+    if model.jit and wide and not _x64_enabled():
+        errors.append(
+            f"{where}: tensors {', '.join(wide)} are 64-bit, but JAX runs with 64-bit types "
+            "disabled and would silently compute in 32 bits; set JAX_ENABLE_X64=1, declare "
+            "32-bit types, or set JIT = False"
         )
     try:
         signature = inspect.signature(model.execute)

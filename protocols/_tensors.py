@@ -87,6 +87,12 @@ def check_inputs(
             if not tensor.optional:
                 problems.append(f"missing required input '{tensor.name}'")
             continue
+        if tensor.data_type is DataType.BYTES and not isinstance(value, np.ndarray):
+            try:
+                value = as_bytes_array(value)
+            except TypeError as exc:
+                problems.append(f"input '{tensor.name}': {exc}")
+                continue
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
         if tensor.data_type is DataType.BYTES:
             if array.dtype.kind not in "OSU":
@@ -121,7 +127,8 @@ def check_inputs(
 
 
 def _all_bytes(array: np.ndarray[Any, Any]) -> bool:
-    return all(isinstance(x, bytes) for x in array.flat)
+    # Exactly bytes: np.bytes_ is a subclass and must be converted like the other kinds.
+    return all(type(x) is bytes for x in array.flat)
 
 
 def _type_name(array: np.ndarray[Any, Any]) -> str:

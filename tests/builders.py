@@ -1,0 +1,106 @@
+"""Small helpers to build models and ensembles in Python for the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from orchestrion import Model
+from orchestrion.protocols import (
+    DataType,
+    EnsembleScheduling,
+    EnsembleStep,
+    InstanceGroup,
+    InstanceKind,
+    ModelConfig,
+    Observer,
+    TensorConfig,
+)
+
+
+def tensor(name: str, dtype: str = "FP32", dims: Sequence[int] = (16,), **kw: Any) -> TensorConfig:
+    """A TensorConfig with short defaults."""
+    return TensorConfig(name=name, data_type=DataType[dtype], dims=tuple(dims), **kw)
+
+
+def model(
+    name: str,
+    execute: Callable[..., Any],
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    *,
+    jit: bool = True,
+    version: int = 1,
+    max_batch_size: int = 0,
+    count: int = 1,
+    initialize: Callable[[ModelConfig], Any] | None = None,
+    parameters: Mapping[str, str] | None = None,
+) -> Model:
+    """A Python model definition."""
+    config = ModelConfig(
+        name=name,
+        max_batch_size=max_batch_size,
+        input=tuple(inputs),
+        output=tuple(outputs),
+        instance_group=(InstanceGroup(count=count, kind=InstanceKind.KIND_CPU),),
+        parameters=dict(parameters or {}),
+    )
+    return Model(config=config, execute=execute, initialize=initialize, jit=jit, version=version)
+
+
+def step(
+    model_name: str, inputs: Mapping[str, str], outputs: Mapping[str, str], version: int = -1
+) -> EnsembleStep:
+    """An ensemble step: ``inputs`` maps model inputs to tensors, ``outputs`` model outputs to tensors."""
+    return EnsembleStep(
+        model_name=model_name,
+        model_version=version,
+        input_map=dict(inputs),
+        output_map=dict(outputs),
+    )
+
+
+def ensemble(
+    name: str,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    steps: Sequence[EnsembleStep],
+    *,
+    max_inflight_requests: int = 0,
+    max_batch_size: int = 0,
+) -> Model:
+    """An ensemble definition."""
+    return Model(
+        config=ModelConfig(
+            name=name,
+            platform="ensemble",
+            max_batch_size=max_batch_size,
+            input=tuple(inputs),
+            output=tuple(outputs),
+            ensemble_scheduling=EnsembleScheduling(
+                step=tuple(steps), max_inflight_requests=max_inflight_requests
+            ),
+        )
+    )
+
+
+class StepRecorder(Observer):
+    """Records composing requests and the peak number of in-flight requests per step."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int, Any]] = []
+        self.in_flight: dict[tuple[str, int], int] = {}
+        self.peak: dict[tuple[str, int], int] = {}
+        self.finished: list[tuple[str, int, BaseException | None]] = []
+
+    def step_started(self, ensemble: str, step: int, model_name: str, request: Any) -> None:
+        key = (ensemble, step)
+        self.requests.append((ensemble, step, request))
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        self.peak[key] = max(self.peak.get(key, 0), self.in_flight[key])
+
+    def step_finished(
+        self, ensemble: str, step: int, model_name: str, request: Any, error: BaseException | None
+    ) -> None:
+        self.in_flight[(ensemble, step)] -= 1
+        self.finished.append((ensemble, step, error))

@@ -1,0 +1,216 @@
+"""Bad requests get a clear error, nothing runs, and the server keeps serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from builders import ensemble, model, step, tensor
+
+import orchestrion
+
+
+def models() -> list[orchestrion.Model]:
+    def fragile(X):
+        if float(X.sum()) > 100:
+            raise ZeroDivisionError("sum too large for this model")
+        return {"Y": X + 1}
+
+    return [
+        model(
+            "batched",
+            lambda X: {"Y": X * 2},
+            [tensor("X", dims=(4,))],
+            [tensor("Y", dims=(4,))],
+            max_batch_size=8,
+        ),
+        model("fragile", fragile, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], jit=False),
+        model(
+            "wildcard",
+            lambda X: {"Y": X},
+            [tensor("X", dims=(-1, 2))],
+            [tensor("Y", dims=(-1, 2))],
+        ),
+        model(
+            "wrong_dtype",
+            lambda X: {"Y": X.astype(np.int32)},
+            [tensor("X", dims=(4,))],
+            [tensor("Y", dims=(4,))],
+            jit=False,
+        ),
+        model(
+            "unknown_out",
+            lambda X: {"Z": X},
+            [tensor("X", dims=(4,))],
+            [tensor("Y", dims=(4,))],
+            jit=False,
+        ),
+        model(
+            "not_a_dict", lambda X: X, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], jit=False
+        ),
+        model(
+            "bad_shape",
+            lambda X: {"Y": X[:2]},
+            [tensor("X", dims=(4,))],
+            [tensor("Y", dims=(4,))],
+            jit=False,
+        ),
+        ensemble(
+            "pipe",
+            [tensor("IN", dims=(4,))],
+            [tensor("OUT", dims=(4,))],
+            [step("fragile", {"X": "IN"}, {"Y": "OUT"})],
+        ),
+    ]
+
+
+GOOD = np.ones((2, 4), dtype=np.float32)
+
+
+async def _still_serving(server: orchestrion.AsyncServer) -> None:
+    out = await server.infer("batched", {"X": GOOD})
+    np.testing.assert_array_equal(out.outputs["Y"], GOOD * 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "inputs", "kwargs", "error", "match"),
+    [
+        (
+            "nope",
+            {"X": GOOD},
+            {},
+            orchestrion.ModelNotFoundError,
+            r"unknown model 'nope' \(loaded models: .*batched",
+        ),
+        (
+            "batched",
+            {"X": GOOD},
+            {"model_version": 7},
+            orchestrion.ModelNotFoundError,
+            r"no version 7 loaded \(loaded versions: 1\)",
+        ),
+        ("batched", {}, {}, orchestrion.InvalidRequestError, "missing required input 'X'"),
+        (
+            "batched",
+            {"X": GOOD, "EXTRA": GOOD},
+            {},
+            orchestrion.InvalidRequestError,
+            "unexpected inputs 'EXTRA'",
+        ),
+        (
+            "batched",
+            {"X": GOOD.astype(np.float64)},
+            {},
+            orchestrion.InvalidRequestError,
+            "input 'X' has data type FP64, expected FP32",
+        ),
+        (
+            "batched",
+            {"X": np.ones((2, 5), np.float32)},
+            {},
+            orchestrion.InvalidRequestError,
+            r"input 'X' has shape \[2, 5\], expected \[-1,4\]",
+        ),
+        (
+            "batched",
+            {"X": np.ones(4, np.float32)},
+            {},
+            orchestrion.InvalidRequestError,
+            "has shape",
+        ),
+        (
+            "batched",
+            {"X": np.ones((9, 4), np.float32)},
+            {},
+            orchestrion.InvalidRequestError,
+            "batch size 9, expected 1 to 8",
+        ),
+        (
+            "batched",
+            {"X": np.ones((0, 4), np.float32)},
+            {},
+            orchestrion.InvalidRequestError,
+            "batch size 0",
+        ),
+        (
+            "batched",
+            {"X": GOOD},
+            {"outputs": ["Q"]},
+            orchestrion.InvalidRequestError,
+            "requested unknown outputs 'Q'",
+        ),
+        (
+            "wildcard",
+            {"X": np.ones((3, 3), np.float32)},
+            {},
+            orchestrion.InvalidRequestError,
+            r"expected \[-1,2\]",
+        ),
+        (
+            "pipe",
+            {"IN": np.array(["a", "b", "c", "d"])},
+            {},
+            orchestrion.InvalidRequestError,
+            "has data type BYTES, expected FP32",
+        ),
+    ],
+)
+async def test_bad_request_is_rejected_before_running(name, inputs, kwargs, error, match) -> None:
+    """Unknown models or versions and wrong inputs are the caller's fault and run nothing."""
+    async with orchestrion.open_server(models=models()) as server:
+        with pytest.raises(error, match=match):
+            await server.infer(name, inputs, **kwargs)
+        assert all(s.execution_count == 0 for s in server.model_statistics())
+        await _still_serving(server)
+
+
+async def test_model_that_raises_names_itself_and_keeps_serving() -> None:
+    """A model's exception becomes an InferenceError naming the model and keeping the message."""
+    async with orchestrion.open_server(models=models()) as server:
+        big = np.full(4, 100, np.float32)
+        with pytest.raises(orchestrion.InferenceError) as info:
+            await server.infer("fragile", {"X": big})
+        assert "model 'fragile' (version 1) failed: ZeroDivisionError: sum too large" in str(
+            info.value
+        )
+        assert isinstance(info.value.__cause__, ZeroDivisionError)
+        with pytest.raises(
+            orchestrion.InferenceError, match="^in ensemble 'pipe', step\\[0\\]: model 'fragile'"
+        ):
+            await server.infer("pipe", {"IN": big})
+        out = await server.infer("pipe", {"IN": np.zeros(4, np.float32)})
+        assert out.outputs["OUT"].tolist() == [1.0] * 4
+        stats = server.model_statistics("fragile")[0]
+        assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (1, 2)
+        assert stats.execution_count == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("wrong_dtype", "output 'Y' has data type INT32, expected FP32"),
+        ("unknown_out", "unknown output 'Z'"),
+        ("not_a_dict", "must return a dict of outputs, got ndarray"),
+        ("bad_shape", r"output 'Y' has shape \[2\], expected \[4\]"),
+    ],
+)
+async def test_model_returning_a_bad_result_is_an_error(name: str, match: str) -> None:
+    """Outputs are checked against the config: the model is blamed, the server keeps serving."""
+    async with orchestrion.open_server(models=models()) as server:
+        with pytest.raises(orchestrion.InferenceError, match=match) as info:
+            await server.infer(name, {"X": np.zeros(4, np.float32)})
+        assert f"model '{name}'" in str(info.value)
+        await _still_serving(server)
+
+
+async def test_list_inputs_are_accepted_when_the_dtype_matches() -> None:
+    """Plain Python lists become arrays; BYTES accepts str and bytes."""
+    bytes_model = model(
+        "echo",
+        lambda S: {"T": S},
+        [tensor("S", "BYTES", dims=(2,))],
+        [tensor("T", "BYTES", dims=(2,))],
+        jit=False,
+    )
+    async with orchestrion.open_server(models=[bytes_model]) as server:
+        out = await server.infer("echo", {"S": ["héllo", b"\xff"]})
+    assert out.outputs["T"].tolist() == ["héllo".encode(), b"\xff"]
