@@ -19,6 +19,7 @@ from .protocols import (
     ModelConfig,
     ModelStatistics,
     Observer,
+    OrchestrionError,
     ParameterValue,
     StepStatistics,
 )
@@ -195,19 +196,30 @@ async def open_server(
         ConfigError: the repository or a config is invalid (every problem listed).
         ModelLoadError: a model's code failed to import, initialise or compile.
     """
+    # Errors of loading and of the caller's own block leave as themselves, not wrapped in
+    # the exception group of the nursery that owns the actors.
+    error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         registry = ModelRegistry(
             nursery=nursery,
             observer=_observer(observers),
             repository=Path(model_repository) if model_repository is not None else None,
         )
-        found = await registry.read_repository() if model_repository is not None else []
-        await registry.load([*found, *models], replace=False)
         try:
-            yield AsyncServer(registry)
-        except BaseException:
-            # Leaving by an error or a cancellation: stop everything now.
+            found = await registry.read_repository() if model_repository is not None else []
+            await registry.load([*found, *models], replace=False)
+        except OrchestrionError as exc:
+            error = exc
             nursery.cancel_scope.cancel()
-            raise
-        # Leaving normally: requests still running (from other tasks) finish first.
-        await registry.close()
+        else:
+            try:
+                yield AsyncServer(registry)
+            except BaseException as exc:
+                # Leaving by an error or a cancellation: stop everything now.
+                error = exc
+                nursery.cancel_scope.cancel()
+            else:
+                # Leaving normally: requests still running (from other tasks) finish first.
+                await registry.close()
+    if error is not None:
+        raise error

@@ -357,16 +357,26 @@ class ModelRegistry:
 
 
 def _load_code(entries: Sequence[RepositoryEntry]) -> list[Model]:
+    """Import every selected version; report all failures together.
+
+    Raises:
+        ConfigError: only contract violations were found.
+        ModelLoadError: some file failed to import (contract violations listed too).
+    """
     models: list[Model] = []
-    errors: list[str] = []
+    broken: list[str] = []
+    failed_import = False
     for entry in entries:
         for version in entry.versions:
             try:
                 models.append(load_model_code(entry, version))
             except ConfigError as exc:
-                errors.extend(exc.errors)
+                broken.extend(exc.errors)
             except ModelLoadError as exc:
-                errors.append(str(exc))
-    if errors:
-        raise ModelLoadError("\n".join(errors))
+                broken.append(str(exc))
+                failed_import = True
+    if failed_import:
+        raise ModelLoadError("\n".join(broken))
+    if broken:
+        raise ConfigError(broken)
     return models

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import ensemble, model, step, tensor
 
 import orchestrion
+from builders import ensemble, model, step, tensor
 
 
 def models() -> list[orchestrion.Model]:

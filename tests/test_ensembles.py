@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from builders import StepRecorder, ensemble, model, step, tensor
 
 import orchestrion
+from builders import StepRecorder, ensemble, model, step, tensor
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 ROW = (1, 16)

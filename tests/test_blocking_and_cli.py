@@ -1,0 +1,176 @@
+"""The blocking facade, the public surface, and `orchestrion run`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import orchestrion
+from builders import ensemble, model, step, tensor
+from orchestrion._cli import main as cli
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def threads() -> set[str]:
+    """Live threads, minus trio's idle worker cache (its workers exit after 10 s idle)."""
+    return {t.name for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+
+
+def _models() -> list[orchestrion.Model]:
+    def fail(X):
+        raise ValueError("nope")
+
+    return [
+        model("double", lambda X: {"Y": X * 2}, [tensor("X", dims=(2,))], [tensor("Y", dims=(2,))]),
+        model("fail", fail, [tensor("X", dims=(2,))], [tensor("Y", dims=(2,))], jit=False),
+        ensemble(
+            "e",
+            [tensor("IN", dims=(2,))],
+            [tensor("OUT", dims=(2,))],
+            [step("double", {"X": "IN"}, {"Y": "OUT"})],
+        ),
+    ]
+
+
+def test_blocking_server_infers_and_owns_its_thread() -> None:
+    """`Server` answers from ordinary code, raises the same errors, and joins its thread on exit."""
+    before = threads()
+    with orchestrion.Server(models=_models()) as server:
+        out = server.infer("e", {"IN": np.array([1, 2], np.float32)}, request_id="x")
+        assert out.outputs["OUT"].tolist() == [2.0, 4.0]
+        assert out.request_id == "x"
+        with pytest.raises(orchestrion.InferenceError, match="model 'fail'"):
+            server.infer("fail", {"X": np.zeros(2, np.float32)})
+        with pytest.raises(orchestrion.ModelNotFoundError):
+            server.infer("missing", {})
+        assert server.model_names() == ["double", "e", "fail"]
+        assert server.is_model_ready("e")
+        assert server.model_config("e").is_ensemble
+        assert server.model_statistics("double")[0].execution_count == 1
+        assert [s.model_name for s in server.step_statistics("e")] == ["double"]
+        server.unload_model("e")
+        assert not server.is_model_ready("e")
+    assert threads() == before
+    with pytest.raises(orchestrion.ServerClosedError):
+        server.infer("e", {})
+
+
+def test_blocking_server_reports_load_errors() -> None:
+    """A bad model makes `Server.__enter__` raise and leaves no thread behind."""
+    before = threads()
+    broken = model("b", lambda Q: {"Y": Q}, [tensor("X")], [tensor("Y")])
+    with (
+        pytest.raises(orchestrion.ConfigError, match="no parameter for inputs X"),
+        orchestrion.Server(models=[broken]),
+    ):
+        pass
+    assert threads() == before
+
+
+def test_blocking_server_serves_several_threads() -> None:
+    """Calls from several threads at once each get their own answer."""
+    results: dict[int, float] = {}
+    with orchestrion.Server(models=_models()) as server:
+
+        def client(i: int) -> None:
+            for _ in range(20):
+                out = server.infer("e", {"IN": np.full(2, i, np.float32)})
+                results[i] = float(out.outputs["OUT"][0])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert results == {i: 2.0 * i for i in range(4)}
+
+
+def test_public_names() -> None:
+    """The top-level package exports exactly the documented API."""
+    assert orchestrion.__all__ == sorted(
+        [
+            "AsyncServer",
+            "ConfigError",
+            "DataType",
+            "EnsembleScheduling",
+            "EnsembleStep",
+            "InferRequest",
+            "InferResponse",
+            "InferenceError",
+            "InferenceTimeoutError",
+            "InstanceGroup",
+            "InstanceKind",
+            "InvalidRequestError",
+            "Model",
+            "ModelConfig",
+            "ModelLoadError",
+            "ModelNotFoundError",
+            "ModelStatistics",
+            "Observer",
+            "OrchestrionError",
+            "Server",
+            "ServerClosedError",
+            "StepStatistics",
+            "TensorConfig",
+            "open_server",
+        ]
+    )
+    for name in orchestrion.__all__:
+        assert getattr(orchestrion, name).__doc__, name
+    with pytest.raises(AttributeError):
+        orchestrion.nothing_here  # noqa: B018
+
+
+def test_errors_say_whose_fault() -> None:
+    """Caller mistakes are ValueErrors/LookupErrors, pipeline failures RuntimeErrors."""
+    assert issubclass(orchestrion.InvalidRequestError, ValueError)
+    assert issubclass(orchestrion.ModelNotFoundError, LookupError)
+    assert issubclass(orchestrion.ConfigError, ValueError)
+    assert issubclass(orchestrion.InferenceError, RuntimeError)
+    assert issubclass(orchestrion.InferenceTimeoutError, TimeoutError)
+    for name in orchestrion.__all__:
+        value = getattr(orchestrion, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, orchestrion.OrchestrionError)
+
+
+def test_subpackages_install_under_orchestrion_only(tmp_path: Path) -> None:
+    """actors/, caches/... are importable as orchestrion.* and never as top-level modules."""
+    code = (
+        "import importlib.util, orchestrion.actors, orchestrion.caches, orchestrion.telemetry\n"
+        "print([n for n in ('actors', 'caches', 'protocols', 'telemetry') "
+        "if importlib.util.find_spec(n) is not None])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_cli_runs_the_image_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    """`orchestrion run examples/image_pipeline` answers every request and prints a summary."""
+    code = cli(["run", str(REPO / "examples" / "image_pipeline"), "-n", "12", "-c", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "errors" in out
+    assert "throughput" in out
+    for name in ("image_preprocess_model", "classification_model", "segmentation_model"):
+        assert name[:14] in out
+    assert "12/12" in out
+
+
+def test_cli_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown example is a clear error with exit status 2."""
+    assert cli(["run", "no_such_example"]) == 2
+    assert "no example 'no_such_example'" in capsys.readouterr().out
