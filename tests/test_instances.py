@@ -1,0 +1,105 @@
+"""Model instances: instance_group count, inline versus worker-thread execution."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import orchestrion
+from builders import model, tensor
+
+
+def _sleepy(count: int) -> orchestrion.Model:
+    async def execute(X):
+        await trio.sleep(1)
+        return {"Y": X}
+
+    return model("sleepy", execute, [tensor("X")], [tensor("Y")], jit=False, count=count)
+
+
+@pytest.mark.parametrize(("count", "elapsed"), [(1, 4.0), (2, 2.0), (4, 1.0)])
+async def test_instance_count_sets_concurrency(
+    autojump_clock: trio.testing.MockClock, count: int, elapsed: float
+) -> None:
+    """Four 1-second requests take 4 s on one instance, 2 s on two, 1 s on four."""
+    async with orchestrion.open_server(models=[_sleepy(count)]) as server:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(server.infer, "sleepy", {"X": np.zeros(16, np.float32)})
+        assert trio.current_time() - start == pytest.approx(elapsed)
+        stats = server.model_statistics("sleepy")[0]
+        assert stats.execution_count == 4
+        assert stats.inference_stats.queue.count == 4
+
+
+def _where(mode: str | None, seconds: float) -> tuple[orchestrion.Model, list[bool]]:
+    on_main: list[bool] = []
+
+    def execute(X):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        time.sleep(seconds)
+        return {"Y": X}
+
+    parameters = {"execution": mode} if mode else None
+    return (
+        model("m", execute, [tensor("X")], [tensor("Y")], jit=False, parameters=parameters),
+        on_main,
+    )
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("inline", True), ("thread", False)])
+async def test_execution_mode_can_be_fixed(mode: str, expected: bool) -> None:
+    """parameters.execution 'inline' runs on the event loop, 'thread' in a worker thread."""
+    definition, on_main = _where(mode, 0.0)
+    async with orchestrion.open_server(models=[definition]) as server:
+        for _ in range(3):
+            await server.infer("m", {"X": np.zeros(16, np.float32)})
+    assert on_main == [expected] * 3
+
+
+async def test_slow_models_move_to_a_thread_and_fast_ones_stay_inline() -> None:
+    """In 'auto' mode a model taking milliseconds leaves the event loop after a few calls."""
+    slow, slow_on_main = _where(None, 0.003)
+    async with orchestrion.open_server(models=[slow]) as server:
+        for _ in range(12):
+            await server.infer("m", {"X": np.zeros(16, np.float32)})
+    assert slow_on_main[0] is True
+    assert slow_on_main[-1] is False
+    fast, fast_on_main = _where(None, 0.0)
+    async with orchestrion.open_server(models=[fast]) as server:
+        for _ in range(12):
+            await server.infer("m", {"X": np.zeros(16, np.float32)})
+    assert all(fast_on_main)
+
+
+async def test_a_slow_threaded_model_does_not_stall_other_requests() -> None:
+    """While a threaded model computes, a fast model keeps answering on the event loop."""
+    slow, _ = _where("thread", 0.5)
+    fast = model("fast", lambda X: {"Y": X}, [tensor("X")], [tensor("Y")])
+    async with orchestrion.open_server(models=[slow, fast]) as server:
+        answered_during = 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.infer, "m", {"X": np.zeros(16, np.float32)})
+            await trio.testing.wait_all_tasks_blocked()
+            while server.model_statistics("m")[0].execution_count == 0:
+                await server.infer("fast", {"X": np.zeros(16, np.float32)})
+                answered_during += 1
+        assert answered_during > 10
+
+
+def test_bad_execution_mode_is_a_config_error() -> None:
+    """An unknown parameters.execution value is reported at load."""
+    definition, _ = _where("sometimes", 0.0)
+
+    async def main() -> None:
+        async with orchestrion.open_server(models=[definition]):
+            pass
+
+    with pytest.raises(orchestrion.ConfigError, match="parameter 'execution' must be one of"):
+        trio.run(main)
