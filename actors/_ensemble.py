@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -37,10 +38,19 @@ from ..protocols import (
     ServerClosedError,
     StepPlan,
     StepStatistics,
+    TensorChecker,
 )
 from ._stats import StatsRecorder
 
-Dispatch = Callable[[InferRequest], Awaitable[InferResponse]]
+
+class Router(Protocol):
+    """How a step reaches its composing model: the registry, with its input checks."""
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def ready_now(self, name: str, version: int) -> bool: ...
+
+    def infer_now(self, request: InferRequest) -> InferResponse: ...
 
 
 @attrs.frozen
@@ -51,6 +61,10 @@ class _Plan:
     """The steps that lead to a requested output."""
     step_outputs: dict[int, frozenset[str]]
     """For each needed step, the model outputs someone consumes."""
+    missing: dict[int, int]
+    """For each needed step, how many of its input tensors are not ensemble inputs."""
+    first: tuple[int, ...]
+    """The needed steps that take only ensemble inputs: they start each request."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -91,6 +105,8 @@ class _Step:
     send: trio.MemorySendChannel[_Run]
     receive: trio.MemoryReceiveChannel[_Run]
     slots: trio.Semaphore | None
+    queued: int = 0
+    """Runs buffered in the channel (sent and not yet received)."""
     in_flight: int = 0
     blocked_ns: int = 0
 
@@ -101,10 +117,11 @@ class EnsembleRunner:
 
     config: ModelConfig
     version: int
-    dispatch: Dispatch
-    """How a step reaches its composing model (the registry's routing, with input checks)."""
+    router: Router
     observer: Observer
     graph: EnsembleGraph = attrs.field(init=False)
+    checker: TensorChecker = attrs.field(init=False)
+    output_names: frozenset[str] = attrs.field(init=False)
     stats: StatsRecorder = attrs.field(init=False)
     _steps: list[_Step] = attrs.field(init=False)
     _active: int = 0
@@ -114,6 +131,8 @@ class EnsembleRunner:
 
     def __attrs_post_init__(self) -> None:
         self.graph = EnsembleGraph.from_config(self.config)
+        self.checker = TensorChecker(self.config)
+        self.output_names = frozenset(self.graph.outputs)
         self.stats = StatsRecorder(self.config.name, self.version)
         assert self.config.ensemble_scheduling is not None
         limit = self.config.ensemble_scheduling.max_inflight_requests
@@ -142,7 +161,7 @@ class EnsembleRunner:
                 ensemble=self.config.name,
                 step=s.plan.index,
                 model_name=s.plan.model_name,
-                queued=s.receive.statistics().current_buffer_used,
+                queued=s.queued,
                 in_flight=s.in_flight,
                 max_inflight_requests=s.capacity,
                 blocked_ns=s.blocked_ns,
@@ -178,16 +197,88 @@ class EnsembleRunner:
                     run = await step.receive.receive()
                 except trio.EndOfChannel:
                     break
+                step.queued -= 1
                 if run.dead:
                     self._release(step)
                     run.step_done()
                     continue
                 step.in_flight += 1
-                nursery.start_soon(self._run_step, step, run)
+                plan = step.plan
+                if not self.router.ready_now(plan.model_name, plan.model_version):
+                    nursery.start_soon(self._run_step, step, run)
+                    continue
+                # The model can run right now, synchronously: no task needed.
+                response = self._call_model_now(step, run)
+                blocked = self._advance(run, self._deliver(run, plan, response))
+                if blocked:  # a successor's channel is full: wait for it in a task
+                    nursery.start_soon(self._hand_over, step, run, blocked)
+                else:
+                    self._release(step)
+                    run.step_done()
 
     def _release(self, step: _Step) -> None:
         if step.slots is not None:
             step.slots.release()
+
+    def _advance(self, run: _Run, ready: list[int]) -> list[int]:
+        """Start the steps of ``run`` that just became ready, without waiting.
+
+        A step whose channel is empty, that has a free slot and whose model can run at once
+        (an idle inline instance) runs right here, synchronously, and its successors are
+        advanced in turn: a trip through the step's actor would cost two task switches and
+        change nothing (same limits, same order). Other steps are queued on their channels.
+
+        Returns:
+            the steps whose channels are full: the caller must send to them with `_send_to`.
+        """
+        blocked: list[int] = []
+        while ready:
+            index = ready.pop()
+            if run.dead:
+                continue
+            step = self._steps[index]
+            plan = step.plan
+            if step.queued == 0 and self._take_slot(step):
+                if self.router.ready_now(plan.model_name, plan.model_version):
+                    run.outstanding += 1
+                    step.in_flight += 1
+                    response = self._call_model_now(step, run)
+                    ready.extend(self._deliver(run, plan, response))
+                    self._release(step)
+                    run.step_done()
+                    continue
+                self._release(step)
+            try:
+                step.send.send_nowait(run)
+            except trio.WouldBlock:
+                blocked.append(index)
+            else:
+                step.queued += 1
+                run.outstanding += 1
+        return blocked
+
+    def _take_slot(self, step: _Step) -> bool:
+        if step.slots is None:
+            return True
+        try:
+            step.slots.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def _hand_over(self, step: _Step, run: _Run, ready: list[int]) -> None:
+        """Finish a fast-path step whose successors' channels were full (keeps its slot)."""
+        with trio.CancelScope() as scope:
+            run.scopes.add(scope)
+            try:
+                if run.abandoned:
+                    scope.cancel()
+                for index in ready:
+                    await self._send_to(run, index)
+            finally:
+                run.scopes.discard(scope)
+                self._release(step)
+                run.step_done()
 
     async def _send_to(self, run: _Run, index: int) -> None:
         """Queue ``run`` at step ``index``; blocks while that step's channel is full."""
@@ -202,6 +293,7 @@ class EnsembleRunner:
                     await step.send.send(run)
                 finally:
                     step.blocked_ns += time.perf_counter_ns() - start
+            step.queued += 1
         except BaseException:
             run.step_done()
             raise
@@ -213,61 +305,101 @@ class EnsembleRunner:
                 if run.abandoned:
                     scope.cancel()
                 response = await self._call_model(step, run)
-                if response is not None:
-                    for index in self._deliver(run, step.plan, response):
-                        await self._send_to(run, index)
+                for index in self._advance(run, self._deliver(run, step.plan, response)):
+                    await self._send_to(run, index)
             finally:
                 run.scopes.discard(scope)
                 self._release(step)
                 run.step_done()
 
+    def _step_request(self, step: _Step, run: _Run) -> InferRequest:
+        plan = step.plan
+        tensors = run.tensors
+        return run.request.derive(
+            model_name=plan.model_name,
+            model_version=plan.model_version,
+            inputs={inp: tensors[tensor] for inp, tensor in plan.inputs},
+            requested_outputs=run.plan.step_outputs[plan.index],
+        )
+
+    def _step_failed(self, step: _Step, run: _Run, request: InferRequest, exc: Exception) -> None:
+        plan = step.plan
+        name = self.config.name
+        self.observer.step_finished(name, plan.index, plan.model_name, request, exc)
+        if run.error is None:
+            run.error = InferenceError(
+                f"in ensemble '{name}', step[{plan.index}]: {exc}", model_name=plan.model_name
+            )
+            run.error.__cause__ = exc
+
     async def _call_model(self, step: _Step, run: _Run) -> InferResponse | None:
         """Send the step's request to its model; on failure record the run's error."""
         plan = step.plan
-        name = self.config.name
         try:
-            request = attrs.evolve(
-                run.request,
-                model_name=plan.model_name,
-                model_version=plan.model_version,
-                inputs={inp: run.tensors[tensor] for inp, tensor in plan.inputs},
-                requested_outputs=run.plan.step_outputs[plan.index],
-            )
-            self.observer.step_started(name, plan.index, plan.model_name, request)
+            request = self._step_request(step, run)
+            self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
             try:
-                response = await self.dispatch(request)
+                response = await self.router.infer(request)
             except Exception as exc:
-                self.observer.step_finished(name, plan.index, plan.model_name, request, exc)
-                if run.error is None:
-                    run.error = InferenceError(
-                        f"in ensemble '{name}', step[{plan.index}]: {exc}",
-                        model_name=plan.model_name,
-                    )
-                    run.error.__cause__ = exc
+                self._step_failed(step, run, request, exc)
                 return None
-            self.observer.step_finished(name, plan.index, plan.model_name, request, None)
+            self.observer.step_finished(
+                self.config.name, plan.index, plan.model_name, request, None
+            )
             return response
         finally:
             step.in_flight -= 1
+
+    def _call_model_now(self, step: _Step, run: _Run) -> InferResponse | None:
+        """`_call_model` for a model that can run synchronously right now."""
+        plan = step.plan
+        try:
+            request = self._step_request(step, run)
+            self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
+            try:
+                response = self.router.infer_now(request)
+            except Exception as exc:
+                self._step_failed(step, run, request, exc)
+                return None
+            self.observer.step_finished(
+                self.config.name, plan.index, plan.model_name, request, None
+            )
+            return response
+        finally:
+            step.in_flight -= 1
+
+    def ready_now(self) -> bool:
+        """Ensembles always go through their step actors."""
+        return False
+
+    def infer_now(self, request: InferRequest) -> InferResponse:
+        """Not available for ensembles (`ready_now` is always False)."""
+        raise trio.WouldBlock
 
     def _make_plan(self, requested: frozenset[str]) -> _Plan:
         needed = self.graph.needed_steps(requested)
         wanted = set(requested)
         for index in needed:
             wanted.update(t for _, t in self.graph.steps[index].inputs)
+        inputs = set(self.graph.inputs)
+        missing = {
+            i: len({t for _, t in self.graph.steps[i].inputs} - inputs) for i in sorted(needed)
+        }
         plan = _Plan(
             needed=needed,
             step_outputs={
                 i: frozenset(o for o, t in self.graph.steps[i].outputs if t in wanted)
                 for i in needed
             },
+            missing=missing,
+            first=tuple(i for i, n in missing.items() if n == 0),
         )
         self._plans[requested] = plan
         return plan
 
-    def _deliver(self, run: _Run, plan: StepPlan, response: InferResponse) -> list[int]:
+    def _deliver(self, run: _Run, plan: StepPlan, response: InferResponse | None) -> list[int]:
         """Put a step's outputs on the board; return the steps that just became ready."""
-        if run.dead:
+        if response is None or run.dead:
             return []
         ready = []
         for output, tensor in plan.outputs:
@@ -297,20 +429,23 @@ class EnsembleRunner:
         requested = request.requested_outputs or frozenset(self.graph.outputs)
         plan = self._plans.get(requested) or self._make_plan(requested)
         run = _Run(request=request, plan=plan, tensors=dict(request.inputs))
-        ready = []
-        for index in plan.needed:
-            inputs = {t for _, t in self.graph.steps[index].inputs}
-            missing = len(inputs - run.tensors.keys())
-            run.missing[index] = missing
-            if missing == 0:
-                ready.append(index)
+        if len(run.tensors) == len(self.graph.inputs):
+            run.missing = dict(plan.missing)
+            ready: Sequence[int] = plan.first
+        else:  # optional ensemble inputs left out: steps needing them never start
+            ready = []
+            for index in plan.needed:
+                inputs = {t for _, t in self.graph.steps[index].inputs}
+                run.missing[index] = missing = len(inputs - run.tensors.keys())
+                if missing == 0:
+                    ready.append(index)
         self._active += 1
         self._idle = trio.Event() if self._active == 1 else self._idle
         try:
             # Hold one count ourselves so the run cannot finish while we are still seeding.
             run.outstanding += 1
             try:
-                for index in ready:
+                for index in self._advance(run, list(ready)):
                     await self._send_to(run, index)
             finally:
                 run.step_done()

@@ -31,7 +31,7 @@ from ..protocols import (
     Observer,
     OrchestrionError,
     StepStatistics,
-    check_inputs,
+    TensorChecker,
     validate_repository,
 )
 from ._definition import Model, check_model
@@ -51,8 +51,14 @@ class Runner(Protocol):
     def version(self) -> int: ...
 
     stats: StatsRecorder
+    checker: TensorChecker
+    output_names: frozenset[str]
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def ready_now(self) -> bool: ...
+
+    def infer_now(self, request: InferRequest) -> InferResponse: ...
 
     def statistics(self) -> ModelStatistics: ...
 
@@ -146,6 +152,42 @@ class ModelRegistry:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _admit(self, request: InferRequest) -> tuple[Runner, InferRequest]:
+        """Resolve the model and check the request against its config."""
+        runner = self.resolve(request.model_name, request.model_version)
+        inputs = runner.checker.inputs(request.inputs)
+        wanted = request.requested_outputs
+        if wanted is not None and not wanted <= runner.output_names:
+            unknown = sorted(wanted - runner.output_names)
+            raise InvalidRequestError(
+                f"model '{runner.config.name}': requested unknown outputs "
+                + ", ".join(f"'{o}'" for o in unknown)
+                + f" (outputs: {', '.join(sorted(runner.output_names))})"
+            )
+        if inputs is request.inputs:
+            return runner, request
+        return runner, request.derive(
+            model_name=request.model_name,
+            model_version=request.model_version,
+            inputs=inputs,
+            requested_outputs=wanted,
+        )
+
+    def _started(self, runner: Runner, request: InferRequest) -> int:
+        runner.stats.pending += 1
+        self.observer.request_started(runner.config.name, runner.version, request)
+        return time.perf_counter_ns()
+
+    def _finished(
+        self, runner: Runner, request: InferRequest, start: int, error: BaseException | None
+    ) -> None:
+        duration = time.perf_counter_ns() - start
+        stats = runner.stats
+        stats.pending -= 1
+        batch = batch_size(runner.config.max_batch_size, request.inputs)
+        stats.request_finished(error is None, duration, batch)
+        self.observer.request_finished(runner.config.name, runner.version, request, error, duration)
+
     async def infer(self, request: InferRequest) -> InferResponse:
         """Check ``request`` against its model's config and run it.
 
@@ -154,34 +196,48 @@ class ModelRegistry:
             InvalidRequestError: bad inputs or requested outputs (nothing ran).
             InferenceError: the model or a step of the ensemble failed.
         """
-        runner = self.resolve(request.model_name, request.model_version)
-        config = runner.config
-        inputs = check_inputs(config, request.inputs)
-        if request.requested_outputs is not None:
-            unknown = sorted(request.requested_outputs - {t.name for t in config.output})
-            if unknown:
-                raise InvalidRequestError(
-                    f"model '{config.name}': requested unknown outputs "
-                    + ", ".join(f"'{o}'" for o in unknown)
-                    + f" (outputs: {', '.join(t.name for t in config.output)})"
-                )
-        request = attrs.evolve(request, inputs=inputs, model_version=runner.version)
-        stats = runner.stats
-        stats.pending += 1
-        self.observer.request_started(config.name, runner.version, request)
-        start = time.perf_counter_ns()
+        runner, request = self._admit(request)
+        if runner.ready_now():
+            # Short synchronous work on an idle instance: run it here, between checkpoints
+            # (what trio's own non-blocking operations do), instead of a trip via the queue.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            response = self._run_now(runner, request)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return response
+        start = self._started(runner, request)
         try:
             response = await runner.infer(request)
         except BaseException as exc:
-            duration = time.perf_counter_ns() - start
-            stats.pending -= 1
-            stats.request_finished(False, duration, 0)
-            self.observer.request_finished(config.name, runner.version, request, exc, duration)
+            self._finished(runner, request, start, exc)
             raise
-        duration = time.perf_counter_ns() - start
-        stats.pending -= 1
-        stats.request_finished(True, duration, batch_size(config.max_batch_size, inputs))
-        self.observer.request_finished(config.name, runner.version, request, None, duration)
+        self._finished(runner, request, start, None)
+        return response
+
+    def ready_now(self, name: str, version: int) -> bool:
+        """Whether `infer_now` would run a request for this model without waiting."""
+        versions = self._runners.get(name)
+        if not versions:
+            return False
+        runner = versions.get(version) if version > 0 else versions[max(versions)]
+        return runner is not None and runner.ready_now()
+
+    def infer_now(self, request: InferRequest) -> InferResponse:
+        """`infer` for a model that `ready_now` said can run at once, in the caller's task.
+
+        Raises:
+            the errors of `infer`.
+        """
+        runner, request = self._admit(request)
+        return self._run_now(runner, request)
+
+    def _run_now(self, runner: Runner, request: InferRequest) -> InferResponse:
+        start = self._started(runner, request)
+        try:
+            response = runner.infer_now(request)
+        except BaseException as exc:
+            self._finished(runner, request, start, exc)
+            raise
+        self._finished(runner, request, start, None)
         return response
 
     # -- loading ---------------------------------------------------------------------------
@@ -245,7 +301,7 @@ class ModelRegistry:
             await self._close_runners(started)
             raise
         for model in ensembles:
-            ensemble = EnsembleRunner(model.config, model.version, self.infer, self.observer)
+            ensemble = EnsembleRunner(model.config, model.version, self, self.observer)
             await self.nursery.start(ensemble.serve)
             started.setdefault(model.name, {})[model.version] = ensemble
         old = {name: self._runners.get(name, {}) for name in started}

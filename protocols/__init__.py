@@ -44,6 +44,7 @@ from ._statistics import DurationStatistics as DurationStatistics
 from ._statistics import InferStatistics as InferStatistics
 from ._statistics import ModelStatistics as ModelStatistics
 from ._statistics import StepStatistics as StepStatistics
+from ._tensors import TensorChecker as TensorChecker
 from ._tensors import apply_reshape as apply_reshape
 from ._tensors import check_inputs as check_inputs
 from ._tensors import check_outputs as check_outputs

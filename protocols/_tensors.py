@@ -194,3 +194,86 @@ def undo_reshape(
         return array
     lead = array.shape[:1] if max_batch_size > 0 else ()
     return array.reshape(lead + tensor.dims)
+
+
+class _Slow(Exception):
+    """The fast path cannot decide: take the careful path (which explains any error)."""
+
+
+class TensorChecker:
+    """`check_inputs` and `check_outputs` for one config, with a fast path.
+
+    Requests that are right (the common case) are accepted after a few comparisons per
+    tensor; anything unusual (BYTES, a reshape, a list instead of an array, any mismatch)
+    goes through the careful functions, which normalise or explain.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        mbs = config.max_batch_size
+        self._max_batch = mbs
+        self._inputs = tuple(
+            (t.name, t.data_type.numpy_dtype, expected_shape(t, mbs), t.optional)
+            for t in config.input
+        )
+        self._inputs_simple = all(t.data_type is not DataType.BYTES for t in config.input)
+        self._outputs = {
+            t.name: (t.data_type.numpy_dtype, expected_shape(t, mbs))
+            for t in config.output
+            if t.data_type is not DataType.BYTES and t.reshape is None
+        }
+
+    def _shape_ok(self, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+        if len(shape) != len(want):
+            return False
+        for w, g in zip(want, shape, strict=True):
+            if w != -1 and w != g:
+                return False
+        return not self._max_batch or 1 <= shape[0] <= self._max_batch
+
+    def inputs(self, inputs: Mapping[str, Any]) -> Tensors:
+        """Like `check_inputs`; returns ``inputs`` itself when it needed no conversion."""
+        if not self._inputs_simple:
+            return check_inputs(self.config, inputs)
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        batch = -1
+        try:
+            for name, dtype, want, optional in self._inputs:
+                value = inputs.get(name)
+                if value is None:
+                    if optional:
+                        continue
+                    raise _Slow
+                if type(value) is not np.ndarray or value.dtype != dtype:
+                    raise _Slow
+                shape = value.shape
+                if not self._shape_ok(shape, want):
+                    raise _Slow
+                if self._max_batch:
+                    if batch not in (-1, shape[0]):
+                        raise _Slow
+                    batch = shape[0]
+                out[name] = value
+            if len(out) != len(inputs):
+                raise _Slow
+        except _Slow:
+            return check_inputs(self.config, inputs)
+        # Everything checked and nothing converted: hand back the caller's own dict.
+        return inputs if type(inputs) is dict else out
+
+    def outputs(self, outputs: Any) -> Tensors:
+        """Like `check_outputs`; raises ValueError for a bad result."""
+        if type(outputs) is not dict:
+            return check_outputs(self.config, outputs)
+        result: dict[str, np.ndarray[Any, Any]] = {}
+        try:
+            for name, value in outputs.items():
+                spec = self._outputs.get(name)
+                if spec is None or type(value) is not np.ndarray or value.dtype != spec[0]:
+                    raise _Slow
+                if not self._shape_ok(value.shape, spec[1]):
+                    raise _Slow
+                result[name] = value
+        except _Slow:
+            return check_outputs(self.config, outputs)
+        return result
