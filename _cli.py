@@ -174,9 +174,12 @@ def _summary(
     table.add_row("p99 latency", f"{_percentile(latencies, 99) * 1e3:.2f} ms")
     console.print(table)
     models = Table(title="executions per model")
-    for column in ("model", "version", "requests ok", "failed", "executions", "mean compute"):
-        models.add_column(column, justify="right" if column != "model" else "left")
-    for s in server.model_statistics():
+    every = server.model_statistics()
+    longest = max((len(s.name) for s in every), default=5)
+    models.add_column("model", no_wrap=True, min_width=longest)
+    for column in ("version", "requests ok", "failed", "executions", "mean compute"):
+        models.add_column(column, justify="right")
+    for s in every:
         n = s.execution_count
         compute = s.inference_stats.compute_infer.ns / n / 1e6 if n else 0.0
         models.add_row(

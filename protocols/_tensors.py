@@ -200,6 +200,32 @@ class _Slow(Exception):
     """The fast path cannot decide: take the careful path (which explains any error)."""
 
 
+class _Pattern:
+    """A declared full shape, compiled for quick matching."""
+
+    __slots__ = ("exact", "max_batch", "rank", "tail", "want")
+
+    def __init__(self, want: tuple[int, ...], max_batch: int) -> None:
+        self.want = want
+        self.rank = len(want)
+        self.max_batch = max_batch
+        self.tail = want[1:] if max_batch > 0 else want
+        self.exact = -1 not in self.tail
+
+    def matches(self, shape: tuple[int, ...]) -> bool:
+        if len(shape) != self.rank:
+            return False
+        if self.max_batch > 0:
+            if not 1 <= shape[0] <= self.max_batch:
+                return False
+            tail = shape[1:]
+        else:
+            tail = shape
+        if self.exact:
+            return tail == self.tail
+        return all(w in (-1, g) for w, g in zip(self.tail, tail, strict=True))
+
+
 class TensorChecker:
     """`check_inputs` and `check_outputs` for one config, with a fast path.
 
@@ -213,23 +239,15 @@ class TensorChecker:
         mbs = config.max_batch_size
         self._max_batch = mbs
         self._inputs = tuple(
-            (t.name, t.data_type.numpy_dtype, expected_shape(t, mbs), t.optional)
+            (t.name, t.data_type.numpy_dtype, _Pattern(expected_shape(t, mbs), mbs), t.optional)
             for t in config.input
         )
         self._inputs_simple = all(t.data_type is not DataType.BYTES for t in config.input)
         self._outputs = {
-            t.name: (t.data_type.numpy_dtype, expected_shape(t, mbs))
+            t.name: (t.data_type.numpy_dtype, _Pattern(expected_shape(t, mbs), mbs))
             for t in config.output
             if t.data_type is not DataType.BYTES and t.reshape is None
         }
-
-    def _shape_ok(self, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
-        if len(shape) != len(want):
-            return False
-        for w, g in zip(want, shape, strict=True):
-            if w != -1 and w != g:
-                return False
-        return not self._max_batch or 1 <= shape[0] <= self._max_batch
 
     def inputs(self, inputs: Mapping[str, Any]) -> Tensors:
         """Like `check_inputs`; returns ``inputs`` itself when it needed no conversion."""
@@ -247,7 +265,7 @@ class TensorChecker:
                 if type(value) is not np.ndarray or value.dtype != dtype:
                     raise _Slow
                 shape = value.shape
-                if not self._shape_ok(shape, want):
+                if not want.matches(shape):
                     raise _Slow
                 if self._max_batch:
                     if batch not in (-1, shape[0]):
@@ -265,15 +283,13 @@ class TensorChecker:
         """Like `check_outputs`; raises ValueError for a bad result."""
         if type(outputs) is not dict:
             return check_outputs(self.config, outputs)
-        result: dict[str, np.ndarray[Any, Any]] = {}
         try:
             for name, value in outputs.items():
                 spec = self._outputs.get(name)
                 if spec is None or type(value) is not np.ndarray or value.dtype != spec[0]:
                     raise _Slow
-                if not self._shape_ok(value.shape, spec[1]):
+                if not spec[1].matches(value.shape):
                     raise _Slow
-                result[name] = value
         except _Slow:
             return check_outputs(self.config, outputs)
-        return result
+        return outputs
