@@ -177,7 +177,7 @@ def _summary(
     every = server.model_statistics()
     longest = max((len(s.name) for s in every), default=5)
     models.add_column("model", no_wrap=True, min_width=longest)
-    for column in ("version", "requests ok", "failed", "executions", "mean compute"):
+    for column in ("version", "ok", "failed", "execs", "compute"):
         models.add_column(column, justify="right")
     for s in every:
         n = s.execution_count
