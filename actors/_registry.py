@@ -30,6 +30,7 @@ from ..protocols import (
     ModelStatistics,
     Observer,
     OrchestrionError,
+    ServerClosedError,
     StepStatistics,
     TensorChecker,
     validate_repository,
@@ -94,6 +95,7 @@ class ModelRegistry:
     _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
     _definitions: dict[str, dict[int, Model]] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _closing: bool = False
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -102,9 +104,12 @@ class ModelRegistry:
 
         Raises:
             ModelNotFoundError: no such model, or no such version loaded.
+            ServerClosedError: the server is shutting down.
         """
         versions = self._runners.get(name)
         if not versions:
+            if self._closing:
+                raise ServerClosedError("the server is shutting down")
             loaded = ", ".join(sorted(self._runners)) or "none"
             raise ModelNotFoundError(f"unknown model '{name}' (loaded models: {loaded})")
         if version <= 0:
@@ -352,11 +357,13 @@ class ModelRegistry:
     async def close(self) -> None:
         """Unload everything: ensembles first (they drain through their models), then models."""
         async with self._lock:
+            self._closing = True
             ensembles = {n: r for n, r in self._runners.items() if self._is_ensemble(n)}
-            others = {n: r for n, r in self._runners.items() if n not in ensembles}
-            self._runners = {}
+            # Ensembles refuse new requests and wait for their runs, whose steps still
+            # need the composing models: those go only afterwards.
             await self._close_runners(ensembles)
-            await self._close_runners(others)
+            models, self._runners = self._runners, {}
+            await self._close_runners({n: r for n, r in models.items() if n not in ensembles})
 
     def _is_ensemble(self, name: str) -> bool:
         versions = self._runners.get(name) or {}

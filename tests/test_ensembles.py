@@ -467,3 +467,43 @@ async def test_many_concurrent_requests_each_get_their_own_answer() -> None:
     assert sorted(results) == list(range(200))
     for i, value in results.items():
         assert math.isclose(float(value[0]), 16 * (2 * i + 1))
+
+
+async def test_leaving_the_server_lets_running_requests_finish(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Leaving open_server normally waits for requests in flight, which still succeed."""
+    gate = trio.Event()
+    started: list[int] = []
+    models = [
+        _gated("slow", gate, started),
+        model("after", lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")]),
+        ensemble(
+            "e",
+            [tensor("IN")],
+            [tensor("OUT")],
+            [step("slow", {"X": "IN"}, {"Y": "mid"}), step("after", {"X": "mid"}, {"Y": "OUT"})],
+        ),
+    ]
+    results: list[float] = []
+    late: list[BaseException] = []
+    async with trio.open_nursery() as outer, orchestrion.open_server(models=models) as server:
+
+        async def client() -> None:
+            response = await server.infer("e", {"IN": np.zeros(16, np.float32)})
+            results.append(float(response.outputs["OUT"][0]))
+
+        async def open_the_gate_later() -> None:
+            await trio.sleep(1)
+            try:  # the server is draining: new requests are refused
+                await server.infer("e", {"IN": np.zeros(16, np.float32)})
+            except orchestrion.ServerClosedError as exc:
+                late.append(exc)
+            gate.set()
+
+        outer.start_soon(client)
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == [1]
+        outer.start_soon(open_the_gate_later)
+    assert results == [1.0]
+    assert len(late) == 1
