@@ -15,6 +15,7 @@ from .actors import Model, ModelRegistry
 from .protocols import (
     InferenceTimeoutError,
     InferRequest,
+    InvalidRequestError,
     InferResponse,
     ModelConfig,
     ModelStatistics,
@@ -117,6 +118,10 @@ class AsyncServer:
         )
         if timeout is None:
             return await self._registry.infer(request)
+        if not timeout > 0:  # also catches NaN
+            raise InvalidRequestError(
+                f"timeout must be a positive number of seconds, got {timeout}"
+            )
         with trio.move_on_after(timeout) as scope:
             return await self._registry.infer(request)
         assert scope.cancelled_caught
