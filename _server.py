@@ -15,8 +15,8 @@ from .actors import Model, ModelRegistry
 from .protocols import (
     InferenceTimeoutError,
     InferRequest,
-    InvalidRequestError,
     InferResponse,
+    InvalidRequestError,
     ModelConfig,
     ModelStatistics,
     Observer,

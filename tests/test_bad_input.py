@@ -216,10 +216,10 @@ async def test_list_inputs_are_accepted_when_the_dtype_matches() -> None:
     assert out.outputs["T"].tolist() == ["héllo".encode(), b"\xff"]
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
-async def test_timeout_must_be_positive(timeout: float) -> None:
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+async def test_timeout_must_be_positive(seconds: float) -> None:
     """A zero, negative or NaN timeout is the caller's mistake."""
     async with orchestrion.open_server(models=models()) as server:
         with pytest.raises(orchestrion.InvalidRequestError, match="timeout must be a positive"):
-            await server.infer("batched", {"X": GOOD}, timeout=timeout)
+            await server.infer("batched", {"X": GOOD}, timeout=seconds)
         await _still_serving(server)
