@@ -142,6 +142,11 @@ class Server:
         result: list[str] = self._sync("model_names")
         return result
 
+    def model_versions(self, name: str) -> list[int]:
+        """See `AsyncServer.model_versions`."""
+        result: list[int] = self._sync("model_versions", name)
+        return result
+
     def is_model_ready(self, name: str, version: int = -1) -> bool:
         """See `AsyncServer.is_model_ready`."""
         result: bool = self._sync("is_model_ready", name, version)

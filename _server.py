@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -25,34 +27,40 @@ from .protocols import (
     StepStatistics,
 )
 
+_log = logging.getLogger("orchestrion")
 
-class _Observers(Observer):
-    """Fans every event out to several observers."""
+_HOOKS = (
+    "request_started",
+    "request_finished",
+    "execution_finished",
+    "step_started",
+    "step_finished",
+)
+
+
+class _GuardedObservers(Observer):
+    """Fans each event out to the user's observers, and drops one that raises.
+
+    An observer runs inside the actors; its bug must not fail requests or stop the server
+    (the way trio drops an `Instrument` that raises). The error is logged once.
+    """
 
     def __init__(self, observers: Sequence[Observer]) -> None:
-        self._observers = tuple(observers)
-        for hook in (
-            "request_started",
-            "request_finished",
-            "execution_finished",
-            "step_started",
-            "step_finished",
-        ):
-            targets = [getattr(o, hook) for o in self._observers]
+        self._live = list(observers)
+        for hook in _HOOKS:
+            setattr(self, hook, functools.partial(self._fan, hook))
 
-            def fan(*args: Any, _targets: list[Any] = targets) -> None:
-                for target in _targets:
-                    target(*args)
-
-            setattr(self, hook, fan)
+    def _fan(self, hook: str, *args: Any) -> None:
+        for observer in tuple(self._live):
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                _log.exception("observer %r raised in %s and was removed", observer, hook)
+                self._live.remove(observer)
 
 
 def _observer(observers: Sequence[Observer]) -> Observer:
-    if not observers:
-        return Observer()
-    if len(observers) == 1:
-        return observers[0]
-    return _Observers(observers)
+    return _GuardedObservers(observers) if observers else Observer()
 
 
 @attrs.define(eq=False)

@@ -10,17 +10,22 @@ board; every step whose last missing input just arrived is sent to that step's c
 channel blocks the sender, and the sender still holds its own slot while it waits, so
 backpressure travels upstream to the client's ``infer`` call; memory stays bounded.
 
+A step that can run at once (its channel empty, a slot free, its model with an idle inline
+instance) runs in the task that made it ready instead, synchronously: the same limits and
+order, two task switches fewer (`_advance`).
+
 Errors: the first error wins (prefixed ``in ensemble '<name>', ``, naming the step's model),
-no new steps start for that run, in-flight ones drain, then the client gets the error. When
-the client goes away (cancellation, timeout), every task working for the run is cancelled and
-runs already queued are dropped when they reach the front, releasing their slots.
+no new steps start for that run, sends blocked by backpressure are given up, in-flight model
+calls drain, then the client gets the error. When the client goes away (cancellation,
+timeout), every task working for the run is cancelled and runs already queued are dropped when
+they reach the front, releasing their slots. When the server itself stops, every run still
+inside gets a `ServerClosedError`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -76,26 +81,41 @@ class _Run:
     tensors: dict[str, np.ndarray] = attrs.field(factory=dict)
     missing: dict[int, int] = attrs.field(factory=dict)
     outstanding: int = 0
+    """Steps queued, running or handing over for this run (plus the client's own hold)."""
     error: BaseException | None = None
     abandoned: bool = False
     finished: trio.Event = attrs.Factory(trio.Event)
     scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    """Tasks working for this run: cancelled when the client goes away."""
+    blocked: set[trio.CancelScope] = attrs.field(factory=set)
+    """Sends waiting for room downstream: given up as soon as the run is dead."""
 
     @property
     def dead(self) -> bool:
         """No further step should start for this run."""
         return self.error is not None or self.abandoned
 
+    def fail(self, error: BaseException) -> None:
+        """Record the run's error (the first one wins) and give up waiting for room."""
+        if self.error is None:
+            self.error = error
+        for scope in self.blocked:
+            scope.cancel()
+
     def abandon(self) -> None:
         """The client went away: cancel everything working for this run."""
         self.abandoned = True
-        for scope in self.scopes:
+        for scope in (*self.scopes, *self.blocked):
             scope.cancel()
 
     def step_done(self) -> None:
         self.outstanding -= 1
         if self.outstanding == 0:
             self.finished.set()
+
+
+def _closed() -> ServerClosedError:
+    return ServerClosedError("the server is shutting down")
 
 
 @attrs.define(eq=False)
@@ -169,7 +189,7 @@ class EnsembleRunner:
             for s in self._steps
         )
 
-    # -- actors ----------------------------------------------------------------------------
+    # -- lifetime --------------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the step actors until `close` has drained every run."""
@@ -178,47 +198,75 @@ class EnsembleRunner:
                 await nursery.start(self._serve_step, step)
             task_status.started()
 
-    async def close(self) -> None:
-        """Refuse new requests, wait for running ones, then stop the step actors."""
+    def begin_close(self) -> None:
+        """Refuse new requests; the step actors stop once the running ones are answered.
+
+        Not waiting here is deliberate: a caller that gives up waiting (cancelled) must not
+        leave the actors running forever. The last run to finish closes the channels.
+        """
         self._closing = True
+        if self._active == 0:
+            self._close_channels()
+
+    async def close(self) -> None:
+        """`begin_close`, then wait until every running request has been answered."""
+        self.begin_close()
         await self._idle.wait()
+
+    def _close_channels(self) -> None:
         for step in self._steps:
             step.send.close()
 
     async def _serve_step(
         self, step: _Step, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        async with step.receive, trio.open_nursery() as nursery:
-            task_status.started()
-            while True:
-                if step.slots is not None:
-                    await step.slots.acquire()
-                try:
-                    run = await step.receive.receive()
-                except trio.EndOfChannel:
-                    break
-                step.queued -= 1
-                if run.dead:
-                    self._release(step)
-                    run.step_done()
-                    continue
-                step.in_flight += 1
-                plan = step.plan
-                if not self.router.ready_now(plan.model_name, plan.model_version):
-                    nursery.start_soon(self._run_step, step, run)
-                    continue
-                # The model can run right now, synchronously: no task needed.
-                response = self._call_model_now(step, run)
-                blocked = self._advance(run, self._deliver(run, plan, response))
-                if blocked:  # a successor's channel is full: wait for it in a task
-                    nursery.start_soon(self._hand_over, step, run, blocked)
-                else:
-                    self._release(step)
-                    run.step_done()
+        try:
+            async with step.receive, trio.open_nursery() as nursery:
+                task_status.started()
+                while True:
+                    if step.slots is not None:
+                        await step.slots.acquire()
+                    try:
+                        run = await step.receive.receive()
+                    except trio.EndOfChannel:
+                        break
+                    step.queued -= 1
+                    if run.dead:
+                        self._release(step)
+                        run.step_done()
+                        continue
+                    plan = step.plan
+                    if not self.router.ready_now(plan.model_name, plan.model_version):
+                        nursery.start_soon(self._run_step, step, run)
+                        continue
+                    # The model can run right now, synchronously: no task needed.
+                    response = self._call_model_now(step, run)
+                    blocked = self._advance(run, self._deliver(run, plan, response))
+                    if blocked:  # a successor's channel is full: wait for it in a task
+                        nursery.start_soon(self._hand_over, step, run, blocked)
+                    else:
+                        self._release(step)
+                        run.step_done()
+        finally:
+            # Stopped from outside (the server's nursery was cancelled): answer the runs
+            # still buffered here, so that no client waits forever.
+            self._drain(step)
+
+    def _drain(self, step: _Step) -> None:
+        while True:
+            try:
+                run = step.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            step.queued -= 1
+            run.fail(_closed())
+            run.step_done()
 
     def _release(self, step: _Step) -> None:
         if step.slots is not None:
             step.slots.release()
+
+    # -- moving a run along ----------------------------------------------------------------
 
     def _advance(self, run: _Run, ready: list[int]) -> list[int]:
         """Start the steps of ``run`` that just became ready, without waiting.
@@ -241,17 +289,20 @@ class EnsembleRunner:
             if step.queued == 0 and self._take_slot(step):
                 if self.router.ready_now(plan.model_name, plan.model_version):
                     run.outstanding += 1
-                    step.in_flight += 1
-                    response = self._call_model_now(step, run)
-                    ready.extend(self._deliver(run, plan, response))
-                    self._release(step)
-                    run.step_done()
+                    try:
+                        response = self._call_model_now(step, run)
+                        ready.extend(self._deliver(run, plan, response))
+                    finally:
+                        self._release(step)
+                        run.step_done()
                     continue
                 self._release(step)
             try:
                 step.send.send_nowait(run)
             except trio.WouldBlock:
                 blocked.append(index)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                run.fail(_closed())
             else:
                 step.queued += 1
                 run.outstanding += 1
@@ -266,39 +317,37 @@ class EnsembleRunner:
             return False
         return True
 
-    async def _hand_over(self, step: _Step, run: _Run, ready: list[int]) -> None:
-        """Finish a fast-path step whose successors' channels were full (keeps its slot)."""
-        with trio.CancelScope() as scope:
-            run.scopes.add(scope)
-            try:
-                if run.abandoned:
-                    scope.cancel()
-                for index in ready:
-                    await self._send_to(run, index)
-            finally:
-                run.scopes.discard(scope)
-                self._release(step)
-                run.step_done()
-
     async def _send_to(self, run: _Run, index: int) -> None:
-        """Queue ``run`` at step ``index``; blocks while that step's channel is full."""
+        """Queue ``run`` at step ``index``, waiting while its channel is full.
+
+        The wait is given up when the run dies meanwhile (an error elsewhere, the client gone).
+        The caller holds a count on the run while this waits.
+        """
         step = self._steps[index]
-        run.outstanding += 1
         try:
             try:
                 step.send.send_nowait(run)
             except trio.WouldBlock:
+                if run.dead:
+                    return
                 start = time.perf_counter_ns()
-                try:
-                    await step.send.send(run)
-                finally:
-                    step.blocked_ns += time.perf_counter_ns() - start
-            step.queued += 1
-        except BaseException:
-            run.step_done()
-            raise
+                with trio.CancelScope() as scope:
+                    run.blocked.add(scope)
+                    try:
+                        await step.send.send(run)
+                    finally:
+                        run.blocked.discard(scope)
+                        step.blocked_ns += time.perf_counter_ns() - start
+                if scope.cancelled_caught:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            run.fail(_closed())
+            return
+        step.queued += 1
+        run.outstanding += 1
 
     async def _run_step(self, step: _Step, run: _Run) -> None:
+        """A step whose model must be awaited (async, threaded, busy, nested ensemble)."""
         with trio.CancelScope() as scope:
             run.scopes.add(scope)
             try:
@@ -307,66 +356,83 @@ class EnsembleRunner:
                 response = await self._call_model(step, run)
                 for index in self._advance(run, self._deliver(run, step.plan, response)):
                     await self._send_to(run, index)
+            except BaseException:
+                if not run.abandoned:  # cancelled from outside: the server is stopping
+                    run.fail(_closed())
+                raise
             finally:
                 run.scopes.discard(scope)
                 self._release(step)
                 run.step_done()
 
-    def _step_request(self, step: _Step, run: _Run) -> InferRequest:
+    async def _hand_over(self, step: _Step, run: _Run, ready: list[int]) -> None:
+        """Finish a synchronous step whose successors' channels were full (keeps its slot)."""
+        try:
+            for index in ready:
+                await self._send_to(run, index)
+        except BaseException:
+            if not run.abandoned:
+                run.fail(_closed())
+            raise
+        finally:
+            self._release(step)
+            run.step_done()
+
+    # -- calling the composing model -------------------------------------------------------
+
+    def _begin_step(self, step: _Step, run: _Run) -> InferRequest:
         plan = step.plan
         tensors = run.tensors
-        return run.request.derive(
+        request = run.request.derive(
             model_name=plan.model_name,
             model_version=plan.model_version,
-            inputs={inp: tensors[tensor] for inp, tensor in plan.inputs},
+            # An omitted optional ensemble input is simply not passed on.
+            inputs={inp: tensors[t] for inp, t in plan.inputs if t in tensors},
             requested_outputs=run.plan.step_outputs[plan.index],
         )
+        step.in_flight += 1
+        self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
+        return request
 
-    def _step_failed(self, step: _Step, run: _Run, request: InferRequest, exc: Exception) -> None:
+    def _end_step(
+        self, step: _Step, run: _Run, request: InferRequest, error: BaseException | None
+    ) -> None:
         plan = step.plan
-        name = self.config.name
-        self.observer.step_finished(name, plan.index, plan.model_name, request, exc)
-        if run.error is None:
-            run.error = InferenceError(
-                f"in ensemble '{name}', step[{plan.index}]: {exc}", model_name=plan.model_name
+        step.in_flight -= 1
+        self.observer.step_finished(self.config.name, plan.index, plan.model_name, request, error)
+        if isinstance(error, Exception):
+            wrapped = InferenceError(
+                f"in ensemble '{self.config.name}', step[{plan.index}]: {error}",
+                model_name=plan.model_name,
             )
-            run.error.__cause__ = exc
+            wrapped.__cause__ = error
+            run.fail(wrapped)
 
     async def _call_model(self, step: _Step, run: _Run) -> InferResponse | None:
         """Send the step's request to its model; on failure record the run's error."""
-        plan = step.plan
+        request = self._begin_step(step, run)
         try:
-            request = self._step_request(step, run)
-            self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
-            try:
-                response = await self.router.infer(request)
-            except Exception as exc:
-                self._step_failed(step, run, request, exc)
+            response = await self.router.infer(request)
+        except BaseException as exc:
+            self._end_step(step, run, request, exc)
+            if isinstance(exc, Exception):
                 return None
-            self.observer.step_finished(
-                self.config.name, plan.index, plan.model_name, request, None
-            )
-            return response
-        finally:
-            step.in_flight -= 1
+            raise
+        self._end_step(step, run, request, None)
+        return response
 
     def _call_model_now(self, step: _Step, run: _Run) -> InferResponse | None:
         """`_call_model` for a model that can run synchronously right now."""
-        plan = step.plan
+        request = self._begin_step(step, run)
         try:
-            request = self._step_request(step, run)
-            self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
-            try:
-                response = self.router.infer_now(request)
-            except Exception as exc:
-                self._step_failed(step, run, request, exc)
+            response = self.router.infer_now(request)
+        except BaseException as exc:
+            self._end_step(step, run, request, exc)
+            if isinstance(exc, Exception):
                 return None
-            self.observer.step_finished(
-                self.config.name, plan.index, plan.model_name, request, None
-            )
-            return response
-        finally:
-            step.in_flight -= 1
+            raise
+        self._end_step(step, run, request, None)
+        return response
 
     def ready_now(self) -> bool:
         """Ensembles always go through their step actors."""
@@ -422,30 +488,24 @@ class EnsembleRunner:
         Raises:
             InferenceError: a step failed (first error wins), or an explicitly requested
                 output was not produced.
-            ServerClosedError: the ensemble is being unloaded.
+            ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
         if self._closing:
             raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
         requested = request.requested_outputs or frozenset(self.graph.outputs)
         plan = self._plans.get(requested) or self._make_plan(requested)
+        # Missing counts cover the tensors steps produce; the ensemble inputs are all there
+        # from the start (an omitted optional one is simply not passed on).
         run = _Run(request=request, plan=plan, tensors=dict(request.inputs))
-        if len(run.tensors) == len(self.graph.inputs):
-            run.missing = dict(plan.missing)
-            ready: Sequence[int] = plan.first
-        else:  # optional ensemble inputs left out: steps needing them never start
-            ready = []
-            for index in plan.needed:
-                inputs = {t for _, t in self.graph.steps[index].inputs}
-                run.missing[index] = missing = len(inputs - run.tensors.keys())
-                if missing == 0:
-                    ready.append(index)
+        run.missing = dict(plan.missing)
         self._active += 1
-        self._idle = trio.Event() if self._active == 1 else self._idle
+        if self._active == 1:
+            self._idle = trio.Event()
         try:
             # Hold one count ourselves so the run cannot finish while we are still seeding.
             run.outstanding += 1
             try:
-                for index in self._advance(run, list(ready)):
+                for index in self._advance(run, list(plan.first)):
                     await self._send_to(run, index)
             finally:
                 run.step_done()
@@ -457,6 +517,8 @@ class EnsembleRunner:
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
+                if self._closing:
+                    self._close_channels()
         if run.error is not None:
             raise run.error
         outputs = {t: run.tensors[t] for t in requested if t in run.tensors}

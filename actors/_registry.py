@@ -316,22 +316,55 @@ class ModelRegistry:
         await self._close_runners(old)
 
     async def _close_runners(self, runners: Mapping[str, Mapping[int, Runner]]) -> None:
-        for versions in runners.values():
-            for runner in versions.values():
-                if isinstance(runner, EnsembleRunner):
-                    await runner.close()
-                elif isinstance(runner, ModelRunner):
-                    runner.close()
+        """Stop ``runners``: all refuse new work at once, then wait for running requests.
+
+        Stopping happens even if the wait is cancelled: the last request out closes the door.
+        """
+        every = [r for versions in runners.values() for r in versions.values()]
+        for runner in every:
+            if isinstance(runner, EnsembleRunner):
+                runner.begin_close()
+            elif isinstance(runner, ModelRunner):
+                runner.close()
+        for runner in every:
+            if isinstance(runner, EnsembleRunner):
+                await runner.close()
+
+    def _uses(self) -> dict[str, set[str]]:
+        """For each loaded ensemble, the models its steps use."""
+        return {
+            name: {s.model_name for s in config.ensemble_scheduling.step}
+            for name, config in self._loaded_configs().items()
+            if config.ensemble_scheduling is not None
+        }
 
     def dependents(self, name: str) -> list[str]:
-        """Loaded ensembles that have a step using ``name``."""
-        out = []
-        for other, config in self._loaded_configs().items():
-            if config.ensemble_scheduling is not None and any(
-                s.model_name == name for s in config.ensemble_scheduling.step
-            ):
-                out.append(other)
-        return sorted(out)
+        """Loaded ensembles that use ``name``, directly or through other ensembles,
+        outermost first (the order in which to stop them)."""
+        uses = self._uses()
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            target = todo.pop()
+            for ensemble, used in uses.items():
+                if target in used and ensemble not in found:
+                    found.add(ensemble)
+                    todo.append(ensemble)
+        return self._outermost_first(found, uses)
+
+    @staticmethod
+    def _outermost_first(names: set[str], uses: Mapping[str, set[str]]) -> list[str]:
+        """``names`` ordered so that an ensemble comes before every ensemble it uses."""
+        order: list[str] = []
+        left = set(names)
+        while left:
+            # Not used by any ensemble still left: nothing outside it is waiting on it.
+            free = sorted(n for n in left if not any(n in uses.get(o, ()) for o in left))
+            if not free:  # a cycle (refused at load); stop in name order
+                free = sorted(left)
+            order.extend(free)
+            left.difference_update(free)
+        return order
 
     async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
         """Unload every version of ``name``; running requests finish first.
@@ -345,23 +378,23 @@ class ModelRegistry:
             users = self.dependents(name)
             if users and not unload_dependents:
                 raise ConfigError(
-                    f"model '{name}' is used by ensembles {', '.join(users)}; unload them "
-                    "first or pass unload_dependents=True"
+                    f"model '{name}' is used by ensembles {', '.join(sorted(users))}; unload "
+                    "them first or pass unload_dependents=True"
                 )
-            order = [*users, name] if unload_dependents else [name]
-            for victim in order:
+            for victim in [*users, name]:  # outermost first: inner ones still serve them
                 runners = self._runners.pop(victim, {})
                 self._definitions.pop(victim, None)
                 await self._close_runners({victim: runners})
 
     async def close(self) -> None:
-        """Unload everything: ensembles first (they drain through their models), then models."""
+        """Unload everything: ensembles first, outermost first, then the models they use."""
         async with self._lock:
             self._closing = True
-            ensembles = {n: r for n, r in self._runners.items() if self._is_ensemble(n)}
-            # Ensembles refuse new requests and wait for their runs, whose steps still
-            # need the composing models: those go only afterwards.
-            await self._close_runners(ensembles)
+            ensembles = {n for n in self._runners if self._is_ensemble(n)}
+            # Each ensemble refuses new requests and waits for its runs, whose steps still
+            # need what it uses: inner ensembles and models go only afterwards.
+            for name in self._outermost_first(ensembles, self._uses()):
+                await self._close_runners({name: self._runners[name]})
             models, self._runners = self._runners, {}
             await self._close_runners({n: r for n, r in models.items() if n not in ensembles})
 

@@ -174,13 +174,13 @@ class ModelRunner:
             if model.initialize is not None:
                 try:
                     params = model.initialize(model.config)
+                    if model.jit:
+                        params = jax.device_put(params, device)
                 except Exception as exc:
                     raise ModelLoadError(
                         f"{model.source} (model '{model.name}'): initialize failed: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                if model.jit:
-                    params = jax.device_put(params, device)
             instance = _Instance(
                 index=index, device=device, params=params, inline=self._mode != "thread"
             )
@@ -243,9 +243,10 @@ class ModelRunner:
 
     def _execute_sync(self, instance: _Instance, inputs: Tensors) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
-        args = self._model_inputs(inputs) if self._reshapes else inputs
-        t1 = time.perf_counter_ns()
+        t1 = t0
         try:
+            args = self._model_inputs(inputs) if self._reshapes else inputs
+            t1 = time.perf_counter_ns()
             raw = self._call(instance, args)
             if type(raw) is dict or isinstance(raw, Mapping):
                 # np.asarray waits for JAX's asynchronous dispatch to finish.
@@ -261,9 +262,10 @@ class ModelRunner:
         self, instance: _Instance, inputs: Tensors
     ) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
-        args = self._model_inputs(inputs)
-        t1 = time.perf_counter_ns()
+        t1 = t0
         try:
+            args = self._model_inputs(inputs) if self._reshapes else inputs
+            t1 = time.perf_counter_ns()
             raw = await self._call(instance, args)
         except Exception as exc:
             raise self._error(exc) from exc
@@ -282,7 +284,7 @@ class ModelRunner:
     def _checked(self, raw: Any) -> Tensors:
         try:
             return self.checker.outputs(raw)
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # whatever converting the model's result raised
             raise InferenceError(
                 f"model '{self.model.name}' (version {self.model.version}) returned a bad "
                 f"result: {exc}",
@@ -325,34 +327,55 @@ class ModelRunner:
     ) -> None:
         async with receive:
             task_status.started()
-            async for work in receive:
-                self._queued -= 1
-                if work.abandoned:
-                    continue
-                instance.busy = True
-                started = time.perf_counter_ns()
-                result: tuple[Tensors, int, int, int] | None = None
-                try:
-                    with trio.CancelScope() as work.scope:
-                        if self._is_async:
-                            result = await self._execute_async(instance, work.inputs)
-                        elif instance.inline:
-                            result = self._execute_sync(instance, work.inputs)
-                        else:
-                            result = await trio.to_thread.run_sync(
-                                self._execute_sync, instance, work.inputs
-                            )
-                except InferenceError as exc:
-                    work.error = exc
-                finally:
-                    work.scope = None
-                    instance.busy = False
-                if result is not None:
-                    work.outputs = result[0]
-                batch = _batch_size(self.model.config.max_batch_size, work.inputs)
-                elapsed = time.perf_counter_ns() - started
-                self._record(instance, started - work.enqueued_ns, result, elapsed, batch)
-                work.done.set()
+            try:
+                async for work in receive:
+                    self._queued -= 1
+                    if not work.abandoned:
+                        await self._run_work(instance, work)
+            finally:
+                # Stopped from outside (the server's nursery was cancelled): answer what is
+                # still queued, so that no caller waits forever.
+                while True:
+                    try:
+                        work = receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                        break
+                    self._queued -= 1
+                    work.error = ServerClosedError("the server is shutting down")
+                    work.done.set()
+
+    async def _run_work(self, instance: _Instance, work: _Work) -> None:
+        instance.busy = True
+        started = time.perf_counter_ns()
+        result: tuple[Tensors, int, int, int] | None = None
+        try:
+            with trio.CancelScope() as work.scope:
+                if self._is_async:
+                    result = await self._execute_async(instance, work.inputs)
+                elif instance.inline:
+                    result = self._execute_sync(instance, work.inputs)
+                else:
+                    result = await trio.to_thread.run_sync(
+                        self._execute_sync, instance, work.inputs
+                    )
+        except InferenceError as exc:
+            work.error = exc
+        except Exception as exc:  # a bug of ours must fail this request, not the server
+            work.error = self._error(exc)
+            work.error.__cause__ = exc
+        except BaseException:
+            work.error = ServerClosedError("the server is shutting down")
+            work.done.set()
+            raise
+        finally:
+            work.scope = None
+            instance.busy = False
+        if result is not None:
+            work.outputs = result[0]
+        batch = _batch_size(self.model.config.max_batch_size, work.inputs)
+        elapsed = time.perf_counter_ns() - started
+        self._record(instance, started - work.enqueued_ns, result, elapsed, batch)
+        work.done.set()
 
     def ready_now(self) -> bool:
         """Whether `infer_now` can run a request at once: an inline instance is idle and
@@ -392,7 +415,7 @@ class ModelRunner:
         work = _Work(inputs=request.inputs, enqueued_ns=time.perf_counter_ns())
         try:
             self._send.send_nowait(work)
-        except trio.ClosedResourceError:
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
         self._queued += 1
         try:

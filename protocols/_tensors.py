@@ -116,6 +116,15 @@ def check_inputs(
         if error:
             problems.append(f"input '{tensor.name}' {error}")
             continue
+        if tensor.reshape is not None:
+            try:
+                apply_reshape(tensor, array, config.max_batch_size)
+            except ValueError:
+                problems.append(
+                    f"input '{tensor.name}' with shape {list(array.shape)} cannot take its "
+                    f"reshape {list(tensor.reshape.shape)}"
+                )
+                continue
         if config.max_batch_size > 0:
             batch_sizes.add(array.shape[0])
         out[tensor.name] = array
@@ -242,7 +251,9 @@ class TensorChecker:
             (t.name, t.data_type.numpy_dtype, _Pattern(expected_shape(t, mbs), mbs), t.optional)
             for t in config.input
         )
-        self._inputs_simple = all(t.data_type is not DataType.BYTES for t in config.input)
+        self._inputs_simple = all(
+            t.data_type is not DataType.BYTES and t.reshape is None for t in config.input
+        )
         self._outputs = {
             t.name: (t.data_type.numpy_dtype, _Pattern(expected_shape(t, mbs), mbs))
             for t in config.output
