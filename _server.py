@@ -59,8 +59,8 @@ class _GuardedObservers(Observer):
                 self._live.remove(observer)
 
 
-def _observer(observers: Sequence[Observer]) -> Observer:
-    return _GuardedObservers(observers) if observers else Observer()
+def _observer(observers: Sequence[Observer]) -> Observer | None:
+    return _GuardedObservers(observers) if observers else None
 
 
 @attrs.define(eq=False)

@@ -44,6 +44,7 @@ from ..protocols import (
     StepPlan,
     StepStatistics,
     TensorChecker,
+    Tensors,
 )
 from ._stats import StatsRecorder
 
@@ -53,7 +54,7 @@ class Router(Protocol):
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
 
-    def ready_now(self, name: str, version: int) -> bool: ...
+    def ready_now(self, request: InferRequest) -> bool: ...
 
     def infer_now(self, request: InferRequest) -> InferResponse: ...
 
@@ -138,7 +139,8 @@ class EnsembleRunner:
     config: ModelConfig
     version: int
     router: Router
-    observer: Observer
+    observer: Observer | None
+    """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
@@ -235,13 +237,13 @@ class EnsembleRunner:
                         self._release(step)
                         run.step_done()
                         continue
-                    plan = step.plan
-                    if not self.router.ready_now(plan.model_name, plan.model_version):
-                        nursery.start_soon(self._run_step, step, run)
+                    request = self._step_request(step, run)
+                    if not self.router.ready_now(request):
+                        nursery.start_soon(self._run_step, step, run, request)
                         continue
                     # The model can run right now, synchronously: no task needed.
-                    response = self._call_model_now(step, run)
-                    blocked = self._advance(run, self._deliver(run, plan, response))
+                    response = self._call_model_now(step, run, request)
+                    blocked = self._advance(run, self._deliver(run, step.plan, response))
                     if blocked:  # a successor's channel is full: wait for it in a task
                         nursery.start_soon(self._hand_over, step, run, blocked)
                     else:
@@ -287,10 +289,11 @@ class EnsembleRunner:
             step = self._steps[index]
             plan = step.plan
             if step.queued == 0 and self._take_slot(step):
-                if self.router.ready_now(plan.model_name, plan.model_version):
+                request = self._step_request(step, run)
+                if self.router.ready_now(request):
                     run.outstanding += 1
                     try:
-                        response = self._call_model_now(step, run)
+                        response = self._call_model_now(step, run, request)
                         ready.extend(self._deliver(run, plan, response))
                     finally:
                         self._release(step)
@@ -346,14 +349,14 @@ class EnsembleRunner:
         step.queued += 1
         run.outstanding += 1
 
-    async def _run_step(self, step: _Step, run: _Run) -> None:
+    async def _run_step(self, step: _Step, run: _Run, request: InferRequest) -> None:
         """A step whose model must be awaited (async, threaded, busy, nested ensemble)."""
         with trio.CancelScope() as scope:
             run.scopes.add(scope)
             try:
                 if run.abandoned:
                     scope.cancel()
-                response = await self._call_model(step, run)
+                response = await self._call_model(step, run, request)
                 for index in self._advance(run, self._deliver(run, step.plan, response)):
                     await self._send_to(run, index)
             except BaseException:
@@ -380,26 +383,32 @@ class EnsembleRunner:
 
     # -- calling the composing model -------------------------------------------------------
 
-    def _begin_step(self, step: _Step, run: _Run) -> InferRequest:
+    def _step_request(self, step: _Step, run: _Run) -> InferRequest:
         plan = step.plan
         tensors = run.tensors
-        request = run.request.derive(
+        return run.request.derive(
             model_name=plan.model_name,
             model_version=plan.model_version,
             # An omitted optional ensemble input is simply not passed on.
             inputs={inp: tensors[t] for inp, t in plan.inputs if t in tensors},
             requested_outputs=run.plan.step_outputs[plan.index],
         )
+
+    def _begin_step(self, step: _Step, request: InferRequest) -> None:
+        plan = step.plan
         step.in_flight += 1
-        self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
-        return request
+        if self.observer is not None:
+            self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
 
     def _end_step(
         self, step: _Step, run: _Run, request: InferRequest, error: BaseException | None
     ) -> None:
         plan = step.plan
         step.in_flight -= 1
-        self.observer.step_finished(self.config.name, plan.index, plan.model_name, request, error)
+        if self.observer is not None:
+            self.observer.step_finished(
+                self.config.name, plan.index, plan.model_name, request, error
+            )
         if isinstance(error, Exception):
             wrapped = InferenceError(
                 f"in ensemble '{self.config.name}', step[{plan.index}]: {error}",
@@ -408,9 +417,11 @@ class EnsembleRunner:
             wrapped.__cause__ = error
             run.fail(wrapped)
 
-    async def _call_model(self, step: _Step, run: _Run) -> InferResponse | None:
+    async def _call_model(
+        self, step: _Step, run: _Run, request: InferRequest
+    ) -> InferResponse | None:
         """Send the step's request to its model; on failure record the run's error."""
-        request = self._begin_step(step, run)
+        self._begin_step(step, request)
         try:
             response = await self.router.infer(request)
         except BaseException as exc:
@@ -421,9 +432,11 @@ class EnsembleRunner:
         self._end_step(step, run, request, None)
         return response
 
-    def _call_model_now(self, step: _Step, run: _Run) -> InferResponse | None:
+    def _call_model_now(
+        self, step: _Step, run: _Run, request: InferRequest
+    ) -> InferResponse | None:
         """`_call_model` for a model that can run synchronously right now."""
-        request = self._begin_step(step, run)
+        self._begin_step(step, request)
         try:
             response = self.router.infer_now(request)
         except BaseException as exc:
@@ -434,7 +447,7 @@ class EnsembleRunner:
         self._end_step(step, run, request, None)
         return response
 
-    def ready_now(self) -> bool:
+    def ready_now(self, inputs: Tensors) -> bool:
         """Ensembles always go through their step actors."""
         return False
 

@@ -33,6 +33,7 @@ from ..protocols import (
     ServerClosedError,
     StepStatistics,
     TensorChecker,
+    Tensors,
     validate_repository,
 )
 from ._definition import Model, check_model
@@ -57,7 +58,7 @@ class Runner(Protocol):
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
 
-    def ready_now(self) -> bool: ...
+    def ready_now(self, inputs: Tensors) -> bool: ...
 
     def infer_now(self, request: InferRequest) -> InferResponse: ...
 
@@ -90,7 +91,8 @@ class ModelRegistry:
     """Loaded models by name and version, with the nursery their actors live in."""
 
     nursery: trio.Nursery
-    observer: Observer
+    observer: Observer | None
+    """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     repository: Path | None = None
     _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
     _definitions: dict[str, dict[int, Model]] = attrs.field(factory=dict)
@@ -180,7 +182,8 @@ class ModelRegistry:
 
     def _started(self, runner: Runner, request: InferRequest) -> int:
         runner.stats.pending += 1
-        self.observer.request_started(runner.config.name, runner.version, request)
+        if self.observer is not None:
+            self.observer.request_started(runner.config.name, runner.version, request)
         return time.perf_counter_ns()
 
     def _finished(
@@ -191,7 +194,10 @@ class ModelRegistry:
         stats.pending -= 1
         batch = batch_size(runner.config.max_batch_size, request.inputs)
         stats.request_finished(error is None, duration, batch)
-        self.observer.request_finished(runner.config.name, runner.version, request, error, duration)
+        if self.observer is not None:
+            self.observer.request_finished(
+                runner.config.name, runner.version, request, error, duration
+            )
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Check ``request`` against its model's config and run it.
@@ -202,7 +208,7 @@ class ModelRegistry:
             InferenceError: the model or a step of the ensemble failed.
         """
         runner, request = self._admit(request)
-        if runner.ready_now():
+        if runner.ready_now(request.inputs):
             # Short synchronous work on an idle instance: run it here, between checkpoints
             # (what trio's own non-blocking operations do), instead of a trip via the queue.
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -218,13 +224,14 @@ class ModelRegistry:
         self._finished(runner, request, start, None)
         return response
 
-    def ready_now(self, name: str, version: int) -> bool:
-        """Whether `infer_now` would run a request for this model without waiting."""
-        versions = self._runners.get(name)
+    def ready_now(self, request: InferRequest) -> bool:
+        """Whether `infer_now` would run ``request`` without waiting."""
+        versions = self._runners.get(request.model_name)
         if not versions:
             return False
+        version = request.model_version
         runner = versions.get(version) if version > 0 else versions[max(versions)]
-        return runner is not None and runner.ready_now()
+        return runner is not None and runner.ready_now(request.inputs)
 
     def infer_now(self, request: InferRequest) -> InferResponse:
         """`infer` for a model that `ready_now` said can run at once, in the caller's task.

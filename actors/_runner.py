@@ -9,9 +9,12 @@ answer. Each instance runs one execution at a time.
 Inline or thread: a tiny jitted call costs about 7 µs and a hop to a worker thread 50–100 µs,
 so short executions run inline on the event loop; long ones would stall every other request,
 so they run in a worker thread (JAX and most numeric code release the GIL). The choice is
-measured, per instance: a moving average of execution time above 500 µs moves the instance to
-a thread, below 100 µs back inline. ``parameters { key: "execution" value: { string_value:
-"inline" | "thread" | "auto" } }`` fixes it per model.
+measured, per instance: the median of five timed calls at load decides the start, then three
+executions in a row above 500 µs move the instance to a thread, three below 100 µs bring it
+back (one slow call, a garbage collection say, changes nothing). A first call for input shapes
+``execute`` is not compiled for always runs in a thread: compiling can take a second.
+``parameters { key: "execution" value: { string_value: "inline" | "thread" | "auto" } }``
+fixes the choice per model.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from ._stats import StatsRecorder
 
 THREAD_ABOVE_NS = 500_000
 INLINE_BELOW_NS = 100_000
-_EWMA_WEIGHT = 0.2
+SWITCH_AFTER = 3
+"""Consecutive executions on the other side of a threshold before an instance switches."""
 EXECUTION_MODES = ("auto", "inline", "thread")
 
 
@@ -75,8 +79,11 @@ class _Instance:
     device: Any
     params: Any
     inline: bool
-    ewma_ns: float = 0.0
+    streak: int = 0
+    """Consecutive executions that argue for switching between inline and thread."""
     busy: bool = False
+    compiled: set[tuple[tuple[int, ...] | None, ...]] = attrs.field(factory=set)
+    """Input shape signatures ``execute`` is compiled for on this instance's device."""
 
 
 def _devices(model: Model) -> list[Any]:
@@ -118,7 +125,8 @@ class ModelRunner:
     """One loaded version of a Python/JAX model: instances and their shared queue."""
 
     model: Model
-    observer: Observer
+    observer: Observer | None
+    """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     stats: StatsRecorder = attrs.field(init=False)
     _fn: Callable[..., Any] = attrs.field(init=False)
     _is_async: bool = attrs.field(init=False)
@@ -129,6 +137,8 @@ class ModelRunner:
     _queued: int = attrs.field(init=False, default=0)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
+    _input_names: tuple[str, ...] = attrs.field(init=False)
+    _variable_shapes: bool = attrs.field(init=False)
     _reshapes: bool = attrs.field(init=False)
     _with_params: bool = attrs.field(init=False)
 
@@ -146,6 +156,11 @@ class ModelRunner:
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self.checker = TensorChecker(self.model.config)
         self.output_names = frozenset(t.name for t in self.model.config.output)
+        self._input_names = tuple(t.name for t in self.model.config.input)
+        config = self.model.config
+        self._variable_shapes = self.model.jit and (
+            config.max_batch_size > 1 or any(-1 in t.dims or t.optional for t in config.input)
+        )
         self._with_params = self.model.initialize is not None
         self._reshapes = any(t.reshape is not None for t in self.model.config.input)
 
@@ -188,29 +203,45 @@ class ModelRunner:
             instances.append(instance)
         return instances
 
+    def signature(self, inputs: Tensors) -> tuple[tuple[int, ...] | None, ...]:
+        """The input shapes as jit sees them (one compilation per signature)."""
+        return tuple(inputs[n].shape if n in inputs else None for n in self._input_names)
+
     def _warm_up(self, instance: _Instance) -> None:
-        """Compile ``execute`` for the declared shapes before the model reports ready."""
+        """Compile ``execute`` for the declared shapes before the model reports ready.
+
+        With ``max_batch_size > 0``, batch sizes 1 and ``max_batch_size`` are compiled; any
+        other shape compiles on first use, in a worker thread (see `ready_now`).
+        """
         config = self.model.config
         if not self.model.jit or any(-1 in t.dims for t in config.input):
             return  # shapes unknown until requests arrive: compiled on first use
-        lead = (1,) if config.max_batch_size > 0 else ()
-        inputs = {
-            t.name: np.zeros(lead + t.dims, dtype=t.data_type.numpy_dtype)
-            for t in config.input
-            if not t.optional
-        }
+        batches = sorted({1, config.max_batch_size}) if config.max_batch_size > 0 else [0]
         try:
-            self._call(instance, inputs)  # compiles
-            start = time.perf_counter_ns()
-            self._call(instance, inputs)
-            instance.ewma_ns = time.perf_counter_ns() - start
+            for batch in reversed(batches):
+                lead = (batch,) if batch else ()
+                inputs = {
+                    t.name: np.zeros(lead + t.dims, dtype=t.data_type.numpy_dtype)
+                    for t in config.input
+                    if not t.optional
+                }
+                self._call(instance, inputs)  # compiles
+                instance.compiled.add(self.signature(inputs))
+            timings = []
+            for _ in range(5):  # the smallest batch, compiled: time it
+                start = time.perf_counter_ns()
+                raw = self._call(instance, inputs)
+                if isinstance(raw, Mapping):
+                    raw = {k: np.asarray(v) for k, v in raw.items()}
+                timings.append(time.perf_counter_ns() - start)
+            typical = sorted(timings)[len(timings) // 2]
         except Exception as exc:
             raise ModelLoadError(
                 f"{self.model.source} (model '{self.model.name}'): compiling execute for the "
                 f"declared input shapes failed: {type(exc).__name__}: {exc}"
             ) from exc
         if self._mode == "auto":
-            instance.inline = instance.ewma_ns <= THREAD_ABOVE_NS
+            instance.inline = typical <= THREAD_ABOVE_NS
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the instances until `close` is called and the queue is drained."""
@@ -292,13 +323,17 @@ class ModelRunner:
             ) from exc
 
     def _learn(self, instance: _Instance, duration_ns: int) -> None:
+        """Move the instance between inline and thread on sustained evidence only: a garbage
+        collection or a busy machine can make one call of a tiny model take milliseconds."""
         if self._mode != "auto":
             return
-        instance.ewma_ns += _EWMA_WEIGHT * (duration_ns - instance.ewma_ns)
-        if instance.inline and instance.ewma_ns > THREAD_ABOVE_NS:
-            instance.inline = False
-        elif not instance.inline and instance.ewma_ns < INLINE_BELOW_NS:
-            instance.inline = True
+        crossing = (
+            duration_ns > THREAD_ABOVE_NS if instance.inline else duration_ns < INLINE_BELOW_NS
+        )
+        instance.streak = instance.streak + 1 if crossing else 0
+        if instance.streak >= SWITCH_AFTER:
+            instance.inline = not instance.inline
+            instance.streak = 0
 
     def _record(
         self,
@@ -307,16 +342,18 @@ class ModelRunner:
         result: tuple[Tensors, int, int, int] | None,
         elapsed: int,
         batch: int,
+        learn: bool = True,
     ) -> None:
-        if not self._is_async:
+        if learn and not self._is_async:
             self._learn(instance, elapsed)
         if result is not None:
             self.stats.execution_finished(queue_ns, *result[1:])
         else:
             self.stats.execution_finished(queue_ns, 0, elapsed, 0)
-        self.observer.execution_finished(
-            self.model.name, self.model.version, batch, queue_ns, elapsed
-        )
+        if self.observer is not None:
+            self.observer.execution_finished(
+                self.model.name, self.model.version, batch, queue_ns, elapsed
+            )
 
     async def _serve_instance(
         self,
@@ -348,11 +385,15 @@ class ModelRunner:
         instance.busy = True
         started = time.perf_counter_ns()
         result: tuple[Tensors, int, int, int] | None = None
+        compiling = False
+        if self.model.jit:
+            signature = self.signature(work.inputs)
+            compiling = signature not in instance.compiled
         try:
             with trio.CancelScope() as work.scope:
                 if self._is_async:
                     result = await self._execute_async(instance, work.inputs)
-                elif instance.inline:
+                elif instance.inline and not compiling:
                     result = self._execute_sync(instance, work.inputs)
                 else:
                     result = await trio.to_thread.run_sync(
@@ -370,19 +411,32 @@ class ModelRunner:
         finally:
             work.scope = None
             instance.busy = False
+        if compiling and result is not None:
+            instance.compiled.add(signature)
         if result is not None:
             work.outputs = result[0]
         batch = _batch_size(self.model.config.max_batch_size, work.inputs)
         elapsed = time.perf_counter_ns() - started
-        self._record(instance, started - work.enqueued_ns, result, elapsed, batch)
+        # A compilation says nothing about how long executions take.
+        self._record(instance, started - work.enqueued_ns, result, elapsed, batch, not compiling)
         work.done.set()
 
-    def ready_now(self) -> bool:
-        """Whether `infer_now` can run a request at once: an inline instance is idle and
-        nobody is queued ahead (the non-blocking twin of `infer`'s admission)."""
+    def ready_now(self, inputs: Tensors) -> bool:
+        """Whether `infer_now` can run these inputs at once: nobody is queued ahead and an
+        inline instance is idle, with ``execute`` already compiled for these shapes (a
+        compilation can take a second: it never runs on the event loop)."""
         if self._is_async or self._queued:
             return False
-        return any(instance.inline and not instance.busy for instance in self.instances)
+        return self._idle_instance(inputs) is not None
+
+    def _idle_instance(self, inputs: Tensors) -> _Instance | None:
+        # Fixed shapes were compiled at load: only variable ones need their signature.
+        signature = self.signature(inputs) if self._variable_shapes else None
+        for instance in self.instances:
+            compiled = signature is None or signature in instance.compiled
+            if instance.inline and not instance.busy and compiled:
+                return instance
+        return None
 
     def infer_now(self, request: InferRequest) -> InferResponse:
         """Run ``request`` in the caller's task on an idle inline instance.
@@ -393,7 +447,8 @@ class ModelRunner:
         Raises:
             InferenceError: ``execute`` raised or returned a bad result.
         """
-        instance = next(i for i in self.instances if i.inline and not i.busy)
+        instance = self._idle_instance(request.inputs)
+        assert instance is not None, "infer_now without ready_now"
         instance.busy = True
         started = time.perf_counter_ns()
         result: tuple[Tensors, int, int, int] | None = None

@@ -103,3 +103,39 @@ def test_bad_execution_mode_is_a_config_error() -> None:
 
     with pytest.raises(orchestrion.ConfigError, match="parameter 'execution' must be one of"):
         trio.run(main)
+
+
+async def test_compilation_for_new_shapes_happens_off_the_event_loop() -> None:
+    """A first call with new input shapes (a JAX compilation) runs in a worker thread."""
+    traced_on_main: list[bool] = []
+
+    def execute(X):
+        # Python code in a jitted function runs once per compilation, while tracing.
+        traced_on_main.append(threading.current_thread() is threading.main_thread())
+        return {"Y": X * 2}
+
+    definition = model("any_length", execute, [tensor("X", dims=(-1,))], [tensor("Y", dims=(-1,))])
+    async with orchestrion.open_server(models=[definition]) as server:
+        assert traced_on_main == []  # -1 dims: nothing to compile at load
+        for length in (3, 3, 5, 3, 5):
+            out = await server.infer("any_length", {"X": np.ones(length, np.float32)})
+            assert out.outputs["Y"].tolist() == [2.0] * length
+    assert traced_on_main == [False, False]  # two shapes, each compiled once, in a thread
+
+
+async def test_batched_models_compile_both_ends_of_the_batch_range_at_load() -> None:
+    """Batch sizes 1 and max_batch_size are compiled before the model reports ready."""
+    traces: list[tuple[int, ...]] = []
+
+    def execute(X):
+        traces.append(X.shape)
+        return {"Y": X + 1}
+
+    definition = model(
+        "batched", execute, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], max_batch_size=8
+    )
+    async with orchestrion.open_server(models=[definition]) as server:
+        assert sorted(traces) == [(1, 4), (8, 4)]
+        await server.infer("batched", {"X": np.zeros((8, 4), np.float32)})
+        await server.infer("batched", {"X": np.zeros((1, 4), np.float32)})
+        assert sorted(traces) == [(1, 4), (8, 4)]
