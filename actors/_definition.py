@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 import jax
 
-from ..protocols import ConfigError, DataType, ModelConfig, bytes_tensors
+from ..protocols import ConfigError, DataType, InstanceKind, ModelConfig, bytes_tensors
+
+EXECUTION_MODES = ("auto", "inline", "thread")
 
 _WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
 
@@ -39,7 +41,8 @@ class Model:
         jit: compile ``execute`` with ``jax.jit`` (the default). False runs it as plain
             Python, for work JAX cannot trace (decoding bytes, strings, I/O).
         version: the version number this definition is served as.
-        source: where the definition came from, for error messages.
+        source: where the code came from (its ``model.py``), for error messages.
+        config_source: where the config came from, for error messages.
     """
 
     config: ModelConfig
@@ -48,6 +51,8 @@ class Model:
     jit: bool = True
     version: int = 1
     source: str = "<python>"
+    config_source: str = "<python>"
+    """Where the config came from (its ``config.pbtxt``), for error messages."""
 
     @property
     def name(self) -> str:
@@ -55,9 +60,45 @@ class Model:
         return self.config.name
 
 
+def takes_request(model: Model) -> bool:
+    """Whether ``execute`` asks for the request's metadata (a ``request`` parameter)."""
+    if model.execute is None:
+        return False
+    try:
+        return "request" in inspect.signature(model.execute).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _placement_errors(model: Model, where: str) -> list[str]:
+    errors = []
+    kinds = {g.kind for g in model.config.instance_group}
+    if InstanceKind.KIND_GPU in kinds:
+        try:
+            gpus = len(jax.devices("gpu"))
+        except RuntimeError:
+            gpus = 0
+        wanted = max((max(g.gpus, default=0) for g in model.config.instance_group), default=0)
+        if gpus == 0:
+            errors.append(
+                f"{where}: instance_group kind KIND_GPU, but JAX sees no GPU (install "
+                "orchestrion[cuda] on a GPU machine, or use KIND_CPU)"
+            )
+        elif wanted >= gpus:
+            errors.append(f"{where}: instance_group asks for GPU {wanted}, but JAX sees {gpus}")
+    mode = model.config.parameters.get("execution", "auto")
+    if mode not in EXECUTION_MODES:
+        errors.append(
+            f"{where}: parameter 'execution' must be one of {', '.join(EXECUTION_MODES)}, "
+            f"got '{mode}'"
+        )
+    return errors
+
+
 def check_model(model: Model) -> list[str]:
     """The ways ``model`` breaks the ``model.py`` contract (empty when it is fine)."""
     where = f"{model.source} (model '{model.name}')"
+    in_config = f"{model.config_source} (model '{model.name}')"
     config = model.config
     if model.version < 1:
         return [f"{where}: version must be a positive integer, got {model.version}"]
@@ -67,7 +108,7 @@ def check_model(model: Model) -> list[str]:
         return []
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
-    errors = []
+    errors = _placement_errors(model, in_config)
     if inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(model.execute):
         errors.append(
             f"{where}: execute is a generator, which is how decoupled models respond; "
@@ -88,6 +129,11 @@ def check_model(model: Model) -> list[str]:
             "jax.jit; set JIT = False in the model (or jit=False)"
         )
     wide = [t.name for t in (*config.input, *config.output) if t.data_type in _WIDE]
+    if model.jit and takes_request(model):
+        errors.append(
+            f"{where}: only plain-Python models (JIT = False) can take the request's metadata "
+            "as a 'request' parameter"
+        )
     if model.jit and wide and not _x64_enabled():
         errors.append(
             f"{where}: tensors {', '.join(wide)} are 64-bit, but JAX runs with 64-bit types "
@@ -99,6 +145,7 @@ def check_model(model: Model) -> list[str]:
     except (TypeError, ValueError):
         return errors
     params = list(signature.parameters.values())
+    inputs = {t.name for t in config.input}
     if model.initialize is not None:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not positional:
@@ -108,7 +155,6 @@ def check_model(model: Model) -> list[str]:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return errors
     accepted = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-    inputs = {t.name for t in config.input}
     missing = sorted(inputs - accepted)
     if missing:
         errors.append(

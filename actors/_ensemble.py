@@ -44,7 +44,10 @@ from ..protocols import (
     StepPlan,
     StepStatistics,
     TensorChecker,
+    TensorConfig,
     Tensors,
+    apply_reshape,
+    undo_reshape,
 )
 from ._stats import StatsRecorder
 
@@ -150,11 +153,15 @@ class EnsembleRunner:
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _closing: bool = False
     _plans: dict[frozenset[str], _Plan] = attrs.field(init=False, factory=dict)
+    _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
+    _reshaped_outputs: tuple[TensorConfig, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.graph = EnsembleGraph.from_config(self.config)
         self.checker = TensorChecker(self.config)
         self.output_names = frozenset(self.graph.outputs)
+        self._reshaped_inputs = tuple(t for t in self.config.input if t.reshape is not None)
+        self._reshaped_outputs = tuple(t for t in self.config.output if t.reshape is not None)
         self.stats = StatsRecorder(self.config.name, self.version)
         assert self.config.ensemble_scheduling is not None
         limit = self.config.ensemble_scheduling.max_inflight_requests
@@ -509,7 +516,12 @@ class EnsembleRunner:
         plan = self._plans.get(requested) or self._make_plan(requested)
         # Missing counts cover the tensors steps produce; the ensemble inputs are all there
         # from the start (an omitted optional one is simply not passed on).
-        run = _Run(request=request, plan=plan, tensors=dict(request.inputs))
+        tensors = dict(request.inputs)
+        mbs = self.config.max_batch_size
+        for tensor in self._reshaped_inputs:  # the ensemble sees an input's reshape
+            if tensor.name in tensors:
+                tensors[tensor.name] = apply_reshape(tensor, tensors[tensor.name], mbs)
+        run = _Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
         self._active += 1
         if self._active == 1:
@@ -535,6 +547,9 @@ class EnsembleRunner:
         if run.error is not None:
             raise run.error
         outputs = {t: run.tensors[t] for t in requested if t in run.tensors}
+        for tensor in self._reshaped_outputs:  # the client sees an output's dims
+            if tensor.name in outputs:
+                outputs[tensor.name] = undo_reshape(tensor, outputs[tensor.name], mbs)
         if request.requested_outputs is not None:
             lost = sorted(request.requested_outputs - outputs.keys())
             if lost:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from ._definition import Model, check_model
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.py"
 _module_ids = itertools.count()
+_log = logging.getLogger("orchestrion")
 
 
 @attrs.frozen(kw_only=True)
@@ -91,8 +93,10 @@ def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
         )
     if config.version_policy is not None and config.version_policy.specific:
         absent = sorted(set(config.version_policy.specific) - set(available))
-        if absent:
-            errors.append(f"{config_path}: field version_policy: versions {absent} have no folder")
+        if absent:  # Triton serves the others and logs the missing ones
+            _log.warning(
+                "%s: field version_policy: versions %s have no folder", config_path, absent
+            )
     entry = RepositoryEntry(name=config.name, config=config, path=path, versions=versions)
     if not config.is_ensemble:
         for version in versions:
@@ -128,8 +132,9 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         ConfigError: the file breaks the ``model.py`` contract.
     """
     config = entry.config
+    config_source = str(entry.path / CONFIG_FILE)
     if config.is_ensemble:
-        return Model(config=config, version=version, source=str(entry.path / CONFIG_FILE))
+        return Model(config=config, version=version, source=config_source)
     path = entry.model_file(version)
     module_name = f"_orchestrion_models.m{next(_module_ids)}_{entry.name}_v{version}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -150,6 +155,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         jit=bool(getattr(module, "JIT", True)),
         version=version,
         source=str(path),
+        config_source=config_source,
     )
     errors = check_model(model)
     if errors:

@@ -44,21 +44,20 @@ from ..protocols import (
     Tensors,
     apply_reshape,
 )
-from ._definition import Model
+from ._definition import EXECUTION_MODES, Model, takes_request
 from ._stats import StatsRecorder
 
 THREAD_ABOVE_NS = 500_000
 INLINE_BELOW_NS = 100_000
 SWITCH_AFTER = 3
 """Consecutive executions on the other side of a threshold before an instance switches."""
-EXECUTION_MODES = ("auto", "inline", "thread")
 
 
 @attrs.define(eq=False, slots=True)
 class _Work:
     """One request waiting for (or being run by) an instance."""
 
-    inputs: Tensors
+    request: InferRequest
     enqueued_ns: int
     done: trio.Event = attrs.Factory(trio.Event)
     outputs: Tensors | None = None
@@ -139,7 +138,8 @@ class ModelRunner:
     output_names: frozenset[str] = attrs.field(init=False)
     _input_names: tuple[str, ...] = attrs.field(init=False)
     _variable_shapes: bool = attrs.field(init=False)
-    _reshapes: bool = attrs.field(init=False)
+    _plain_arguments: bool = attrs.field(init=False)
+    _takes_request: bool = attrs.field(init=False)
     _with_params: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -162,7 +162,12 @@ class ModelRunner:
             config.max_batch_size > 1 or any(-1 in t.dims or t.optional for t in config.input)
         )
         self._with_params = self.model.initialize is not None
-        self._reshapes = any(t.reshape is not None for t in self.model.config.input)
+        self._takes_request = takes_request(self.model)
+        self._plain_arguments = (
+            self.model.jit
+            and not self._takes_request
+            and all(t.reshape is None for t in self.model.config.input)
+        )
 
     @property
     def config(self) -> Any:
@@ -196,8 +201,10 @@ class ModelRunner:
                         f"{model.source} (model '{model.name}'): initialize failed: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
+            # Unmeasured work might block for long: start in a thread (a needless hop costs
+            # ~100 µs, a needless stall of the event loop has no bound) unless timed fast.
             instance = _Instance(
-                index=index, device=device, params=params, inline=self._mode != "thread"
+                index=index, device=device, params=params, inline=self._mode == "inline"
             )
             self._warm_up(instance)
             instances.append(instance)
@@ -225,20 +232,23 @@ class ModelRunner:
                     for t in config.input
                     if not t.optional
                 }
-                self._call(instance, inputs)  # compiles
+                args = self._arguments(InferRequest(model_name=config.name, inputs=inputs))
+                self._call(instance, args)  # compiles
                 instance.compiled.add(self.signature(inputs))
             timings = []
             for _ in range(5):  # the smallest batch, compiled: time it
                 start = time.perf_counter_ns()
-                raw = self._call(instance, inputs)
+                raw = self._call(instance, args)
                 if isinstance(raw, Mapping):
                     raw = {k: np.asarray(v) for k, v in raw.items()}
                 timings.append(time.perf_counter_ns() - start)
             typical = sorted(timings)[len(timings) // 2]
         except Exception as exc:
+            shapes = ", ".join(f"{k}: {list(v.shape)}" for k, v in inputs.items())
             raise ModelLoadError(
-                f"{self.model.source} (model '{self.model.name}'): compiling execute for the "
-                f"declared input shapes failed: {type(exc).__name__}: {exc}"
+                f"{self.model.source} (model '{self.model.name}'): compiling execute at load "
+                f"for the declared shapes ({shapes}; a leading batch dimension of 1 and of "
+                f"max_batch_size) failed: {type(exc).__name__}: {exc}"
             ) from exc
         if self._mode == "auto":
             instance.inline = typical <= THREAD_ABOVE_NS
@@ -264,19 +274,37 @@ class ModelRunner:
             return self._fn(instance.params, **inputs)
         return self._fn(**inputs)
 
-    def _model_inputs(self, inputs: Tensors) -> Mapping[str, Any]:
-        config = self.model.config
-        return {
-            t.name: apply_reshape(t, inputs[t.name], config.max_batch_size)
-            for t in config.input
-            if t.name in inputs
-        }
+    def _arguments(self, request: InferRequest) -> Mapping[str, Any]:
+        """The keyword arguments of ``execute`` for ``request``.
 
-    def _execute_sync(self, instance: _Instance, inputs: Tensors) -> tuple[Tensors, int, int, int]:
+        Plain-Python models get read-only views: an array can be shared with a sibling step
+        or be the caller's own, so writing into it would corrupt someone else's data.
+        """
+        inputs = request.inputs
+        if self._plain_arguments:
+            return inputs
+        config = self.model.config
+        args: dict[str, Any] = {}
+        for tensor in config.input:
+            value = inputs.get(tensor.name)
+            if value is None:
+                continue
+            value = apply_reshape(tensor, value, config.max_batch_size)
+            if not self.model.jit and isinstance(value, np.ndarray):
+                value = value.view()
+                value.flags.writeable = False
+            args[tensor.name] = value
+        if self._takes_request:
+            args["request"] = request
+        return args
+
+    def _execute_sync(
+        self, instance: _Instance, request: InferRequest
+    ) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._model_inputs(inputs) if self._reshapes else inputs
+            args = self._arguments(request)
             t1 = time.perf_counter_ns()
             raw = self._call(instance, args)
             if type(raw) is dict or isinstance(raw, Mapping):
@@ -290,12 +318,12 @@ class ModelRunner:
         return outputs, t1 - t0, t2 - t1, t3 - t2
 
     async def _execute_async(
-        self, instance: _Instance, inputs: Tensors
+        self, instance: _Instance, request: InferRequest
     ) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._model_inputs(inputs) if self._reshapes else inputs
+            args = self._arguments(request)
             t1 = time.perf_counter_ns()
             raw = await self._call(instance, args)
         except Exception as exc:
@@ -345,7 +373,8 @@ class ModelRunner:
         learn: bool = True,
     ) -> None:
         if learn and not self._is_async:
-            self._learn(instance, elapsed)
+            # The execution itself, not the trip to a worker thread and back.
+            self._learn(instance, sum(result[1:]) if result is not None else elapsed)
         if result is not None:
             self.stats.execution_finished(queue_ns, *result[1:])
         else:
@@ -387,17 +416,17 @@ class ModelRunner:
         result: tuple[Tensors, int, int, int] | None = None
         compiling = False
         if self.model.jit:
-            signature = self.signature(work.inputs)
+            signature = self.signature(work.request.inputs)
             compiling = signature not in instance.compiled
         try:
             with trio.CancelScope() as work.scope:
                 if self._is_async:
-                    result = await self._execute_async(instance, work.inputs)
+                    result = await self._execute_async(instance, work.request)
                 elif instance.inline and not compiling:
-                    result = self._execute_sync(instance, work.inputs)
+                    result = self._execute_sync(instance, work.request)
                 else:
                     result = await trio.to_thread.run_sync(
-                        self._execute_sync, instance, work.inputs
+                        self._execute_sync, instance, work.request
                     )
         except InferenceError as exc:
             work.error = exc
@@ -415,7 +444,7 @@ class ModelRunner:
             instance.compiled.add(signature)
         if result is not None:
             work.outputs = result[0]
-        batch = _batch_size(self.model.config.max_batch_size, work.inputs)
+        batch = _batch_size(self.model.config.max_batch_size, work.request.inputs)
         elapsed = time.perf_counter_ns() - started
         # A compilation says nothing about how long executions take.
         self._record(instance, started - work.enqueued_ns, result, elapsed, batch, not compiling)
@@ -453,7 +482,7 @@ class ModelRunner:
         started = time.perf_counter_ns()
         result: tuple[Tensors, int, int, int] | None = None
         try:
-            result = self._execute_sync(instance, request.inputs)
+            result = self._execute_sync(instance, request)
         finally:
             instance.busy = False
             batch = _batch_size(self.model.config.max_batch_size, request.inputs)
@@ -467,7 +496,7 @@ class ModelRunner:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
-        work = _Work(inputs=request.inputs, enqueued_ns=time.perf_counter_ns())
+        work = _Work(request=request, enqueued_ns=time.perf_counter_ns())
         try:
             self._send.send_nowait(work)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -484,7 +513,7 @@ class ModelRunner:
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         wanted = request.requested_outputs
-        if wanted is not None and len(wanted) < len(outputs):
+        if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
         return InferResponse(
             model_name=self.model.name,

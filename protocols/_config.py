@@ -52,6 +52,11 @@ class TensorConfig:
     dims: tuple[int, ...] = attrs.field(default=(), converter=_dims)
     reshape: Reshape | None = None
     optional: bool = False
+    """Inputs only: the input may be left out of a request."""
+    format: str = "FORMAT_NONE"
+    """Inputs only: Triton's image layout hint (``FORMAT_NHWC``/``FORMAT_NCHW``); informative."""
+    label_filename: str = ""
+    """Outputs only: a file of class labels next to the config; informative."""
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +82,9 @@ class InstanceGroup:
     kind: InstanceKind = InstanceKind.KIND_AUTO
     count: int = 1
     gpus: tuple[int, ...] = attrs.field(default=(), converter=_dims)
+    # Accepted for compatibility; orchestrion has no rate limiter or host policies.
+    host_policy: str = ""
+    rate_limiter: Mapping[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -99,6 +107,8 @@ class DynamicBatching:
     priority_levels: int = 0
     default_priority_level: int = 0
     default_queue_policy: QueuePolicy | None = None
+    priority_queue_policy: Mapping[str, QueuePolicy] = attrs.field(factory=dict)
+    """Queue policy per priority level (keys are the levels, as Triton's JSON writes them)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -159,7 +169,8 @@ class ModelConfig:
     with `load_model_config`.
     """
 
-    name: str
+    name: str = ""
+    """Empty in a ``config.pbtxt`` means: the model's folder name."""
     platform: str = ""
     backend: str = ""
     max_batch_size: int = 0
@@ -174,6 +185,7 @@ class ModelConfig:
     response_cache: ResponseCache | None = None
     parameters: Mapping[str, str] = attrs.field(factory=dict)
     default_model_filename: str = ""
+    metric_tags: Mapping[str, str] = attrs.field(factory=dict)
     # Accepted for compatibility with Triton files; an ensemble must not set them, and
     # Python models have nothing to optimise or warm up with them.
     optimization: Mapping[str, Any] | None = None

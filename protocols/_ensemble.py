@@ -105,6 +105,12 @@ def _full_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
     return ((-1,) if max_batch_size > 0 else ()) + tensor.dims
 
 
+def _own_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
+    """An ensemble input's or output's shape inside the ensemble: its reshape, if any."""
+    dims = tensor.reshape.shape if tensor.reshape is not None else tensor.dims
+    return ((-1,) if max_batch_size > 0 else ()) + dims
+
+
 def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
 
@@ -163,7 +169,7 @@ def validate_ensemble(
         tensors[t.name] = _TensorInfo(
             source=f"ensemble input '{t.name}'",
             data_type=t.data_type,
-            shape=_full_shape(t, config.max_batch_size),
+            shape=_own_shape(t, config.max_batch_size),
             step=None,
         )
     graph = EnsembleGraph.from_config(config)
@@ -284,7 +290,7 @@ def validate_ensemble(
                 f"ensemble '{name}': ensemble output '{t.name}' is {t.data_type.name} but "
                 f"{info.source} is {info.data_type.name}"  # type: ignore[attr-defined]
             )
-        shape = _full_shape(t, config.max_batch_size)
+        shape = _own_shape(t, config.max_batch_size)
         if info.shape and not _shapes_agree(info.shape, shape):
             errors.append(
                 f"ensemble '{name}': ensemble output '{t.name}' has shape {_fmt_shape(shape)} "
@@ -328,12 +334,36 @@ def _reachability_errors(
     return errors
 
 
+def is_decoupled(name: str, models: Mapping[str, ModelConfig]) -> bool:
+    """Whether ``name`` streams responses: a decoupled model, or an ensemble containing one."""
+    seen: set[str] = set()
+
+    def visit(current: str) -> bool:
+        config = models.get(current)
+        if config is None or current in seen:
+            return False
+        seen.add(current)
+        if config.decoupled:
+            return True
+        sched = config.ensemble_scheduling
+        return sched is not None and any(visit(s.model_name) for s in sched.step)
+
+    return visit(name)
+
+
 def _decoupled_errors(
     config: ModelConfig, graph: EnsembleGraph, models: Mapping[str, ModelConfig]
 ) -> list[str]:
-    """A step may not combine iterations of different decoupled producers."""
+    """A step (or the ensemble's outputs) may not combine iterations of different decoupled
+    producers; an ensemble containing a decoupled model is itself one."""
     origin: dict[str, frozenset[int]] = {t.name: frozenset() for t in config.input}
     errors = []
+
+    def describe(sources: frozenset[int]) -> str:
+        return ", ".join(
+            f"step[{i}] (model '{graph.steps[i].model_name}')" for i in sorted(sources)
+        )
+
     # Steps in dependency order; unreachable ones were reported already.
     pending = list(graph.steps)
     while pending:
@@ -344,15 +374,20 @@ def _decoupled_errors(
             pending.remove(step)
             sources = frozenset().union(*(origin[t] for _, t in step.inputs))
             if len(sources) > 1:
-                names = ", ".join(
-                    f"step[{i}] (model '{graph.steps[i].model_name}')" for i in sorted(sources)
-                )
                 errors.append(
                     f"{step.describe(config.name)}: takes inputs from different decoupled "
-                    f"producers: {names}"
+                    f"producers: {describe(sources)}"
                 )
-            model = models.get(step.model_name)
-            produced = frozenset({step.index}) if model and model.decoupled else sources
+            if len(sources) > 1:
+                sources = frozenset()  # reported above: do not report it again downstream
+            decoupled = is_decoupled(step.model_name, models)
+            produced = frozenset({step.index}) if decoupled else sources
             for _, t in step.outputs:
                 origin[t] = produced
+    outputs = frozenset().union(*(origin.get(t.name, frozenset()) for t in config.output))
+    if len(outputs) > 1:
+        errors.append(
+            f"ensemble '{config.name}': its outputs come from different decoupled producers: "
+            f"{describe(outputs)}"
+        )
     return errors

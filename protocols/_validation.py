@@ -9,35 +9,95 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ._config import ModelConfig, TensorConfig
+from ._config import InstanceKind, ModelConfig, TensorConfig
 from ._dtypes import DataType
 from ._ensemble import validate_ensemble
 
 
-def _tensor_errors(model: str, kind: str, tensor: TensorConfig, batching: bool) -> list[str]:
+def _segments(shape: tuple[int, ...]) -> list[int]:
+    """Element counts of the runs of fixed dims between ``-1`` wildcards."""
+    counts, run = [], 1
+    for d in shape:
+        if d == -1:
+            counts.append(run)
+            run = 1
+        else:
+            run *= d
+    return [*counts, run]
+
+
+def _tensor_errors(model: str, kind: str, tensor: TensorConfig, max_batch_size: int) -> list[str]:
     where = f"model '{model}' {kind} '{tensor.name}'"
     errors = []
     if not tensor.name:
         errors.append(f"model '{model}': an {kind} has no name")
+    if not tensor.dims:
+        errors.append(
+            f"{where}: dims is empty (Triton needs dims; for a batch of scalars write "
+            "dims: [1] with reshape: { shape: [] })"
+        )
     if any(d < -1 or d == 0 for d in tensor.dims):
         errors.append(f"{where}: dims must be positive or -1, got {list(tensor.dims)}")
-    if not tensor.dims and not batching:
-        errors.append(f"{where}: dims is empty (scalars need max_batch_size > 0 or dims: [1])")
+    if kind == "output" and tensor.optional:
+        errors.append(f"{where}: 'optional' applies to inputs only")
+    if kind == "output" and tensor.format != "FORMAT_NONE":
+        errors.append(f"{where}: 'format' applies to inputs only")
+    if kind == "input" and tensor.label_filename:
+        errors.append(f"{where}: 'label_filename' applies to outputs only")
+    if tensor.format in ("FORMAT_NHWC", "FORMAT_NCHW") and len(tensor.dims) != 3:
+        errors.append(f"{where}: {tensor.format} needs 3 dims, got {list(tensor.dims)}")
     if tensor.reshape is not None:
-        known = [d for d in tensor.dims if d != -1]
-        target = [d for d in tensor.reshape.shape if d != -1]
-        if len(known) == len(tensor.dims) and len(target) == len(tensor.reshape.shape):
-            size = 1
-            for d in known:
-                size *= d
-            new = 1
-            for d in target:
-                new *= d
-            if size != new:
+        shape = tensor.reshape.shape
+        if any(d < -1 or d == 0 for d in shape):
+            errors.append(f"{where}: reshape {list(shape)} must hold positive sizes or -1")
+        elif not shape and max_batch_size == 0:
+            errors.append(f"{where}: an empty reshape needs max_batch_size > 0")
+        elif shape.count(-1) != tensor.dims.count(-1) or (
+            _segments(shape) != _segments(tensor.dims)
+            if -1 in shape
+            else _segments(shape)[-1] != _segments(tensor.dims)[-1] and -1 not in tensor.dims
+        ):
+            errors.append(
+                f"{where}: reshape {list(shape)} does not hold the elements of dims "
+                f"{list(tensor.dims)} (same element count, same -1 wildcards)"
+            )
+    return errors
+
+
+def _scheduling_errors(config: ModelConfig) -> list[str]:
+    name = config.name
+    errors = []
+    batching = config.dynamic_batching
+    if batching is not None:
+        for size in batching.preferred_batch_size:
+            if not 1 <= size <= max(config.max_batch_size, 0):
                 errors.append(
-                    f"{where}: reshape {list(tensor.reshape.shape)} has {new} elements but "
-                    f"dims {list(tensor.dims)} have {size}"
+                    f"model '{name}': dynamic_batching preferred_batch_size {size} must be "
+                    f"between 1 and max_batch_size ({config.max_batch_size})"
                 )
+        levels = batching.priority_levels
+        if levels and not 1 <= batching.default_priority_level <= levels:
+            errors.append(
+                f"model '{name}': dynamic_batching default_priority_level must be between 1 "
+                f"and priority_levels ({levels})"
+            )
+        for key in batching.priority_queue_policy:
+            if not str(key).isdigit() or not 1 <= int(key) <= levels:
+                errors.append(
+                    f"model '{name}': dynamic_batching priority_queue_policy level {key} is "
+                    f"not between 1 and priority_levels ({levels})"
+                )
+        policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
+        if batching.preserve_ordering and any(
+            p is not None and p.timeout_action == "DELAY" for p in policies
+        ):
+            errors.append(
+                f"model '{name}': dynamic_batching preserve_ordering cannot be combined with "
+                "timeout_action DELAY"
+            )
+    for group in config.instance_group:
+        if group.kind is InstanceKind.KIND_CPU and group.gpus:
+            errors.append(f"model '{name}': instance_group of kind KIND_CPU cannot list gpus")
     return errors
 
 
@@ -66,14 +126,14 @@ def validate_model_config(config: ModelConfig) -> list[str]:
             f"model '{name}': backend '{config.backend}' is not supported "
             "(orchestrion runs Python/JAX models: backend 'python', 'jax' or empty)"
         )
-    batching = config.max_batch_size > 0
+    errors.extend(_scheduling_errors(config))
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for tensor in tensors:
             if tensor.name in seen:
                 errors.append(f"model '{name}': {kind} '{tensor.name}' is declared twice")
             seen.add(tensor.name)
-            errors.extend(_tensor_errors(name, kind, tensor, batching))
+            errors.extend(_tensor_errors(name, kind, tensor, config.max_batch_size))
     if not config.is_ensemble:
         if not config.output:
             errors.append(f"model '{name}': a model needs at least one output")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,14 @@ def model(
     initialize: Callable[[ModelConfig], Any] | None = None,
     parameters: Mapping[str, str] | None = None,
 ) -> Model:
-    """A Python model definition."""
+    """A Python model definition.
+
+    Plain synchronous models default to running inline: a model in a worker thread is not a
+    blocked task for ``wait_all_tasks_blocked``, and these tests want determinism. The thread
+    path has tests of its own (test_instances.py).
+    """
+    if parameters is None and not jit and not inspect.iscoroutinefunction(execute):
+        parameters = {"execution": "inline"}
     config = ModelConfig(
         name=name,
         max_batch_size=max_batch_size,

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 import orchestrion
+import orchestrion.protocols
 from builders import StepRecorder, ensemble, model, step, tensor
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
@@ -507,3 +508,19 @@ async def test_leaving_the_server_lets_running_requests_finish(
         outer.start_soon(open_the_gate_later)
     assert results == [1.0]
     assert len(late) == 1
+
+
+async def test_ensemble_inputs_and_outputs_take_their_reshape() -> None:
+    """An ensemble input's reshape is what its steps see; an output is returned in its dims."""
+    models = [
+        model("grid", lambda X: {"Y": X.T}, [tensor("X", dims=(2, 2))], [tensor("Y", dims=(2, 2))]),
+        ensemble(
+            "flat",
+            [tensor("IN", dims=(4,), reshape=orchestrion.protocols.Reshape(shape=(2, 2)))],
+            [tensor("OUT", dims=(4,), reshape=orchestrion.protocols.Reshape(shape=(2, 2)))],
+            [step("grid", {"X": "IN"}, {"Y": "OUT"})],
+        ),
+    ]
+    async with orchestrion.open_server(models=models) as server:
+        out = await server.infer("flat", {"IN": np.array([1, 2, 3, 4], np.float32)})
+    assert out.outputs["OUT"].tolist() == [1.0, 3.0, 2.0, 4.0]

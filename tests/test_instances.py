@@ -46,7 +46,7 @@ def _where(mode: str | None, seconds: float) -> tuple[orchestrion.Model, list[bo
         time.sleep(seconds)
         return {"Y": X}
 
-    parameters = {"execution": mode} if mode else None
+    parameters = {"execution": mode} if mode else {}  # {}: the default, "auto"
     return (
         model("m", execute, [tensor("X")], [tensor("Y")], jit=False, parameters=parameters),
         on_main,
@@ -63,19 +63,24 @@ async def test_execution_mode_can_be_fixed(mode: str, expected: bool) -> None:
     assert on_main == [expected] * 3
 
 
-async def test_slow_models_move_to_a_thread_and_fast_ones_stay_inline() -> None:
-    """In 'auto' mode a model taking milliseconds leaves the event loop after a few calls."""
-    slow, slow_on_main = _where(None, 0.003)
-    async with orchestrion.open_server(models=[slow]) as server:
-        for _ in range(12):
-            await server.infer("m", {"X": np.zeros(16, np.float32)})
-    assert slow_on_main[0] is True
-    assert slow_on_main[-1] is False
+async def test_unmeasured_models_start_in_a_thread_and_fast_ones_come_inline() -> None:
+    """A plain-Python model starts in a thread; three fast calls in a row bring it inline."""
     fast, fast_on_main = _where(None, 0.0)
     async with orchestrion.open_server(models=[fast]) as server:
-        for _ in range(12):
+        for _ in range(6):
             await server.infer("m", {"X": np.zeros(16, np.float32)})
-    assert all(fast_on_main)
+    assert fast_on_main == [False, False, False, True, True, True]
+
+
+async def test_slow_models_move_to_a_thread_after_three_slow_calls() -> None:
+    """An inline model taking milliseconds leaves the event loop after three slow calls."""
+    slow, slow_on_main = _where(None, 0.003)
+    async with orchestrion.open_server(models=[slow]) as server:
+        runner = server._registry.resolve("m")
+        runner.instances[0].inline = True  # as if it had been fast until now
+        for _ in range(6):
+            await server.infer("m", {"X": np.zeros(16, np.float32)})
+    assert slow_on_main == [True, True, True, False, False, False]
 
 
 async def test_a_slow_threaded_model_does_not_stall_other_requests() -> None:

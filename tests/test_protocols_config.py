@@ -293,9 +293,9 @@ def test_nested_field_unknown_to_triton_names_field() -> None:
             "is_shape_tensor",
         ),
         (
-            "dynamic_batching { priority_queue_policy { key: 1 value { max_queue_size: 2 } } }",
-            "dynamic_batching",
-            "priority_queue_policy",
+            "instance_group [ { count: 1 passive: true } ]",
+            "instance_group[0]",
+            "passive",
         ),
         (
             'instance_group [ { count: 1 }, { count: 1 profile: "p" } ]',

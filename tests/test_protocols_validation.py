@@ -632,7 +632,15 @@ def test_step_order_does_not_matter() -> None:
         (model("m", inputs=[tensor("IN", dims=())]), "model 'm' input 'IN': dims is empty"),
         (
             model("m", inputs=[tensor("IN", dims=(2, 3), reshape=Reshape(shape=(5,)))]),
-            "model 'm' input 'IN': reshape [5] has 5 elements but dims [2, 3] have 6",
+            "model 'm' input 'IN': reshape [5] does not hold the elements of dims [2, 3]",
+        ),
+        (
+            model("m", max_batch_size=8, inputs=[tensor("IN", dims=())]),
+            "model 'm' input 'IN': dims is empty (Triton needs dims",
+        ),
+        (
+            model("m", inputs=[tensor("IN", dims=(-1, 2), reshape=Reshape(shape=(1, -1)))]),
+            "model 'm' input 'IN': reshape [1, -1] does not hold the elements of dims [-1, 2]",
         ),
         (
             ModelConfig(name="m", input=(tensor("IN"),)),
@@ -688,10 +696,15 @@ def test_model_config_rule(config: ModelConfig, expected: str) -> None:
     "config",
     [
         model("m"),
-        model("m", backend="python", max_batch_size=8, inputs=[tensor("IN", dims=())]),
+        model(
+            "m",
+            backend="python",
+            max_batch_size=8,
+            inputs=[tensor("IN", dims=(1,), reshape=Reshape(shape=()))],
+        ),
         model("m", backend="jax", inputs=[tensor("IN", dims=(-1, 4))]),
         model("m", inputs=[tensor("IN", dims=(2, 2), reshape=Reshape(shape=(4,)))]),
-        model("m", inputs=[tensor("IN", dims=(-1, 2), reshape=Reshape(shape=(1, -1)))]),
+        model("m", inputs=[tensor("IN", dims=(-1, 2), reshape=Reshape(shape=(-1, 2, 1)))]),
         model("m", version_policy=VersionPolicy()),
         model("m", version_policy=VersionPolicy(latest=2)),
         model("m", version_policy=VersionPolicy(all=True)),

@@ -134,7 +134,7 @@ async def test_version_policy_selects_versions(
         ),
         (
             lambda r: write_model(r, "m", extra="version_policy: { specific: { versions: [7] } }"),
-            r"versions \[7\] have no folder",
+            r"version_policy: selects none of the versions present \(1\)",
         ),
         (
             lambda r: write_model(r, "m", code="import nonexistent_module_xyz\n"),
@@ -158,7 +158,7 @@ async def test_version_policy_selects_versions(
         ),
         (
             lambda r: write_model(r, "m", code="def execute(X):\n    return {'Y': X.reshape(7)}\n"),
-            r"m/1/model.py \(model 'm'\): compiling execute for the declared input shapes failed",
+            r"m/1/model.py \(model 'm'\): compiling execute at load for the declared shapes \(X: \[4, 3\]",
         ),
     ],
 )
