@@ -50,6 +50,16 @@ class Server:
         self._server_cm: AbstractContextManager[AsyncServer] | None = None
         self._server: AsyncServer | None = None
 
+    def open(self) -> Self:
+        """Start the server (what entering the ``with`` block does), for lifespans that
+        cannot hold a ``with`` block (an asyncio web app's start-up hook, say)."""
+        return self.__enter__()
+
+    def close(self) -> None:
+        """Stop the server and join its thread (what leaving the ``with`` block does)."""
+        if self._portal_cm is not None:
+            self.__exit__(None, None, None)
+
     def __enter__(self) -> Self:
         self._portal_cm = anyio.from_thread.start_blocking_portal("trio")
         self._portal = self._portal_cm.__enter__()

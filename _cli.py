@@ -1,4 +1,4 @@
-"""The ``orchestrion`` command line: ``run`` an example, ``validate`` a repository."""
+"""The orchestrion command line: run an example pipeline, validate a model repository."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def _validate(root: Path, console: Console) -> int:
         for line in errors:
             console.print(f"  - {line}", highlight=False, soft_wrap=True)
         return 1
+    if not entries:
+        console.print(f"[yellow]warning[/yellow]: no model folders in {root}", highlight=False)
     console.print(f"[green]OK[/green]: {len(entries)} models in {root}", highlight=False)
     return 0
 

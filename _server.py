@@ -11,20 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import sniffio
 import trio
 
 from .actors import Model, ModelRegistry
 from .protocols import (
+    InferenceError,
     InferenceTimeoutError,
-    InferRequest,
     InferResponse,
-    InvalidRequestError,
     ModelConfig,
     ModelStatistics,
     Observer,
     OrchestrionError,
     ParameterValue,
     StepStatistics,
+    new_request,
 )
 
 _log = logging.getLogger("orchestrion")
@@ -93,47 +94,61 @@ class AsyncServer:
                 BYTES inputs as arrays of ``bytes`` or ``str``). Data types must match the
                 config exactly.
             model_version: -1 or 0 for the latest loaded version.
-            outputs: the outputs wanted (default all); an ensemble skips steps that only
-                lead to outputs nobody asked for.
+            outputs: the outputs wanted (None or empty: all); an ensemble skips steps that
+                only lead to outputs nobody asked for. Asking for an output the model then
+                leaves out of its result is an `InferenceError`.
             request_id: echoed in the response and forwarded to composing models.
             parameters: custom request parameters, forwarded to composing models.
             sequence_id, sequence_start, sequence_end: sequence (correlation) metadata,
                 forwarded to composing models.
             priority: request priority, forwarded to composing models.
-            timeout: seconds the whole request may take; the work is cancelled after it.
+            timeout: seconds the whole request may take. Work that can be cancelled (async
+                models, queued requests, waits) is cancelled then; a synchronous execution
+                that is running finishes, and its late result is discarded.
 
         Returns:
             the response: ``.outputs`` (numpy arrays by name) and ``.parameters``.
 
         Raises:
             ModelNotFoundError: unknown model or version.
-            InvalidRequestError: wrong, missing or unexpected inputs or outputs.
+            InvalidRequestError: an argument of the wrong kind; wrong, missing or unexpected
+                inputs or outputs.
             InferenceError: the model or an ensemble step failed (the message names it).
             InferenceTimeoutError: ``timeout`` expired.
         """
-        request = InferRequest(
-            model_name=model_name,
+        request = new_request(
+            model_name,
+            inputs,
             model_version=model_version,
-            inputs=inputs,
-            requested_outputs=frozenset(outputs) if outputs is not None else None,
-            request_id=request_id or "",
-            parameters=dict(parameters or {}),
-            priority=priority,
-            timeout=timeout,
+            outputs=outputs,
+            request_id=request_id,
+            parameters=parameters,
             sequence_id=sequence_id,
             sequence_start=sequence_start,
             sequence_end=sequence_end,
+            priority=priority,
+            timeout=timeout,
         )
-        if timeout is None:
-            return await self._registry.infer(request)
-        if not timeout > 0:  # also catches NaN
-            raise InvalidRequestError(
-                f"timeout must be a positive number of seconds, got {timeout}"
+        if request.timeout is None:
+            response = await self._registry.infer(request)
+        else:
+            with trio.move_on_after(request.timeout) as scope:
+                response = await self._registry.infer(request)
+            # Work that cannot be interrupted (a synchronous execute) may finish late: a late
+            # answer is still a timeout.
+            if scope.cancelled_caught or trio.current_time() >= scope.deadline:
+                raise InferenceTimeoutError(
+                    f"request for model '{model_name}' timed out after {timeout} s"
+                )
+        wanted = request.requested_outputs
+        if wanted is not None and not wanted <= response.outputs.keys():
+            lost = ", ".join(f"'{o}'" for o in sorted(wanted - response.outputs.keys()))
+            raise InferenceError(
+                f"model '{model_name}' did not produce the requested outputs {lost} (a model "
+                "left them out of its result)",
+                model_name=model_name,
             )
-        with trio.move_on_after(timeout) as scope:
-            return await self._registry.infer(request)
-        assert scope.cancelled_caught
-        raise InferenceTimeoutError(f"request for model '{model_name}' timed out after {timeout} s")
+        return response
 
     def model_statistics(
         self, name: str | None = None, version: int | None = None
@@ -209,6 +224,15 @@ async def open_server(
         ConfigError: the repository or a config is invalid (every problem listed).
         ModelLoadError: a model's code failed to import, initialise or compile.
     """
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = "no event loop"
+    if library != "trio":
+        raise RuntimeError(
+            f"open_server runs on trio, but was called from {library}; from asyncio (or "
+            "plain code) use the blocking orchestrion.Server, see docs/guide.md"
+        )
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
     error: BaseException | None = None

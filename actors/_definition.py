@@ -148,10 +148,14 @@ def check_model(model: Model) -> list[str]:
     inputs = {t.name for t in config.input}
     if model.initialize is not None:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if not positional:
-            errors.append(f"{where}: execute must take params first, since initialize exists")
+        if not positional or positional[0].name in inputs:
+            errors.append(
+                f"{where}: initialize is defined, so execute receives its params first: "
+                f"execute(params, {', '.join(t.name for t in config.input)})"
+            )
             return errors
         params.remove(positional[0])
+    params = [p for p in params if p.name != "request"]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return errors
     accepted = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}

@@ -114,6 +114,11 @@ def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
     """
     if not root.is_dir():
         return [], [f"{root}: model repository is not a directory"]
+    if (root / CONFIG_FILE).is_file():
+        return [], [
+            f"{root}: is a model folder (it has a {CONFIG_FILE}); the model repository is "
+            f"the folder that contains it ({root.resolve().parent})"
+        ]
     entries, errors = [], []
     for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         entry, problems = scan_model_folder(path)

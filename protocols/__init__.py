@@ -40,6 +40,7 @@ from ._messages import InferResponse as InferResponse
 from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
 from ._observer import Observer as Observer
+from ._requests import new_request as new_request
 from ._statistics import DurationStatistics as DurationStatistics
 from ._statistics import InferStatistics as InferStatistics
 from ._statistics import ModelStatistics as ModelStatistics

@@ -10,6 +10,7 @@ forbidden: a schema field orchestrion does not implement is an error that names 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,19 +125,34 @@ def make_converter() -> cattrs.Converter:
 _CONVERTER = make_converter()
 
 
-def _format_errors(exc: Exception, source: str) -> list[str]:
+def _line_of(field: str, text: str | None) -> str:
+    """``:N`` for the first line of ``text`` that sets ``field`` (best effort)."""
+    if text is None:
+        return ""
+    match = re.search(rf"(?m)^(.*?\b){re.escape(field)}\s*[:{{\[]", text)
+    return f":{text.count(chr(10), 0, match.start()) + 1}" if match else ""
+
+
+def _format_errors(exc: Exception, source: str, text: str | None = None) -> list[str]:
     lines = []
     for message in cattrs.transform_error(exc, path="$"):
-        text, _, where = message.rpartition(" @ ")
-        field = where.removeprefix("$").lstrip(".") or "(top level)"
-        if text.startswith("extra fields found"):
+        problem, _, where = message.rpartition(" @ ")
+        field = where.removeprefix("$").lstrip(".")
+        if problem.startswith("extra fields found"):
             # Known to Triton's schema (text_format accepted it) but not implemented here.
-            text = "not supported by orchestrion" + text.removeprefix("extra fields found")
-        lines.append(f"{source}: field {field}: {text}")
+            for name in problem.removeprefix("extra fields found (").rstrip(")").split(", "):
+                path = f"{field}.{name}" if field else name
+                lines.append(
+                    f"{source}{_line_of(name, text)}: field {path}: not supported by orchestrion"
+                )
+            continue
+        lines.append(f"{source}: field {field or '(top level)'}: {problem}")
     return lines
 
 
-def model_config_from_dict(data: Mapping[str, Any], *, source: str = "<config>") -> ModelConfig:
+def model_config_from_dict(
+    data: Mapping[str, Any], *, source: str = "<config>", text: str | None = None
+) -> ModelConfig:
     """Structure Triton's JSON form of a model configuration (proto field names).
 
     Raises:
@@ -145,7 +161,7 @@ def model_config_from_dict(data: Mapping[str, Any], *, source: str = "<config>")
     try:
         return _CONVERTER.structure(data, ModelConfig)
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(_format_errors(exc, source)) from exc
+        raise ConfigError(_format_errors(exc, source, text)) from exc
 
 
 def parse_model_config(text: str, *, source: str = "config.pbtxt") -> ModelConfig:
@@ -165,7 +181,7 @@ def parse_model_config(text: str, *, source: str = "config.pbtxt") -> ModelConfi
     except text_format.ParseError as exc:
         raise ConfigError(f"{source}:{exc}") from exc
     data = json_format.MessageToDict(message, preserving_proto_field_name=True)
-    return model_config_from_dict(data, source=source)
+    return model_config_from_dict(data, source=source, text=text)
 
 
 def model_config_to_dict(config: ModelConfig) -> dict[str, Any]:

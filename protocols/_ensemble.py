@@ -11,6 +11,7 @@ Pruning is a backwards walk from the requested outputs.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -105,6 +106,13 @@ def _full_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
     return ((-1,) if max_batch_size > 0 else ()) + tensor.dims
 
 
+def _did_you_mean(graph: EnsembleGraph, name: str, models: Mapping[str, ModelConfig]) -> str:
+    steps = ", ".join(f"step[{s.index}]" for s in graph.steps if s.model_name == name)
+    close = difflib.get_close_matches(name, list(models), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f" ('{name}' in {steps}{hint})"
+
+
 def _own_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
     """An ensemble input's or output's shape inside the ensemble: its reshape, if any."""
     dims = tensor.reshape.shape if tensor.reshape is not None else tensor.dims
@@ -180,6 +188,7 @@ def validate_ensemble(
         errors.append(
             f"ensemble '{name}': steps use models that are not in the repository: "
             + ", ".join(f"'{m}'" for m in unknown)
+            + "".join(_did_you_mean(graph, m, models) for m in unknown)
         )
 
     # Pass 1: outputs, each tensor produced once.

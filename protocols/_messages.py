@@ -71,6 +71,11 @@ class InferRequest:
         )
 
 
+def _summary(tensors: Tensors) -> str:
+    """Names, shapes and dtypes of tensors, never their values."""
+    return "{" + ", ".join(f"{k!r}: {v.dtype}{list(v.shape)}" for k, v in tensors.items()) + "}"
+
+
 @attrs.frozen(kw_only=True)
 class InferResponse:
     """The answer to an `InferRequest`: output tensors and response parameters."""
@@ -78,5 +83,5 @@ class InferResponse:
     model_name: str
     model_version: int
     request_id: str = ""
-    outputs: Tensors = attrs.field(factory=dict, eq=False, repr=False)
+    outputs: Tensors = attrs.field(factory=dict, eq=False, repr=_summary)
     parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)

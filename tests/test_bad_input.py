@@ -223,3 +223,98 @@ async def test_timeout_must_be_positive(seconds: float) -> None:
         with pytest.raises(orchestrion.InvalidRequestError, match="timeout must be a positive"):
             await server.infer("batched", {"X": GOOD}, timeout=seconds)
         await _still_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"inputs": GOOD}, "inputs must be a mapping"),
+        ({"outputs": "Y"}, "outputs must be a list of output names"),
+        ({"model_version": "1"}, "model_version must be an integer"),
+        ({"timeout": "1"}, "timeout must be a positive number"),
+        ({"parameters": {"a": [1, 2]}}, r"parameters\['a'\] must be a str, int, float or bool"),
+        ({"priority": -1}, "priority must be a non-negative integer"),
+        ({"request_id": 5}, "request_id must be a string"),
+    ],
+)
+async def test_arguments_of_the_wrong_kind_are_named(kwargs: dict, argument: str) -> None:
+    """A mistaken argument of infer is an InvalidRequestError naming the argument."""
+    async with orchestrion.open_server(models=models()) as server:
+        call = {"inputs": {"X": GOOD}, **kwargs}
+        with pytest.raises(orchestrion.InvalidRequestError, match=argument):
+            await server.infer("batched", call.pop("inputs"), **call)
+        await _still_serving(server)
+
+
+async def test_explicitly_requested_output_left_out_by_a_model_is_an_error() -> None:
+    """Asking a model for an output it leaves out is an error; an empty list means all."""
+    partial = model(
+        "partial",
+        lambda X: {"A": X},
+        [tensor("X", dims=(4,))],
+        [tensor("A", dims=(4,)), tensor("B", dims=(4,))],
+        jit=False,
+    )
+    async with orchestrion.open_server(models=[partial]) as server:
+        x = np.zeros(4, np.float32)
+        assert set((await server.infer("partial", {"X": x}, outputs=[])).outputs) == {"A"}
+        assert set((await server.infer("partial", {"X": x}, outputs=["A"])).outputs) == {"A"}
+        with pytest.raises(
+            orchestrion.InferenceError, match="did not produce the requested outputs 'B'"
+        ):
+            await server.infer("partial", {"X": x}, outputs=["B"])
+
+
+async def test_a_late_answer_of_uninterruptible_work_is_a_timeout() -> None:
+    """A synchronous execute that finishes after the deadline still yields a timeout."""
+    import time
+
+    def slow(X):
+        time.sleep(0.05)
+        return {"Y": X}
+
+    definition = model("slow", slow, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], jit=False)
+    async with orchestrion.open_server(models=[definition]) as server:
+        with pytest.raises(orchestrion.InferenceTimeoutError):
+            await server.infer("slow", {"X": np.zeros(4, np.float32)}, timeout=0.01)
+        await server.infer("slow", {"X": np.zeros(4, np.float32)}, timeout=5)
+
+
+async def test_plain_python_models_cannot_write_into_shared_inputs() -> None:
+    """Inputs are read-only for plain models: a write fails that model, nobody's data changes."""
+
+    def vandal(X):
+        X *= 0
+        return {"Y": X}
+
+    models_ = [
+        model("vandal", vandal, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], jit=False),
+        model("twice", lambda X: {"Y": X * 2}, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))]),
+        ensemble(
+            "both",
+            [tensor("IN", dims=(4,))],
+            [tensor("A", dims=(4,)), tensor("B", dims=(4,))],
+            [step("twice", {"X": "IN"}, {"Y": "A"}), step("vandal", {"X": "IN"}, {"Y": "B"})],
+        ),
+    ]
+    x = np.ones(4, np.float32)
+    async with orchestrion.open_server(models=models_) as server:
+        with pytest.raises(orchestrion.InferenceError, match="read-only"):
+            await server.infer("both", {"IN": x})
+        out = await server.infer("both", {"IN": x}, outputs=["A"])
+    assert x.tolist() == [1.0] * 4
+    assert out.outputs["A"].tolist() == [2.0] * 4
+
+
+async def test_plain_python_models_may_read_the_request_metadata() -> None:
+    """execute(X, request) sees the request's parameters and ids (JIT = False models)."""
+
+    def scaled(X, request):
+        return {"Y": X * float(request.parameters["scale"])}
+
+    definition = model(
+        "scaled", scaled, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))], jit=False
+    )
+    async with orchestrion.open_server(models=[definition]) as server:
+        out = await server.infer("scaled", {"X": np.ones(4, np.float32)}, parameters={"scale": 3})
+    assert out.outputs["Y"].tolist() == [3.0] * 4

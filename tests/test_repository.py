@@ -130,7 +130,7 @@ async def test_version_policy_selects_versions(
                 "m",
                 extra="optimization { priority: PRIORITY_MAX } model_operations { op_library_filename: 'x' }",
             ),
-            r"m/config.pbtxt: field \(top level\): not supported by orchestrion \(model_operations\)",
+            r"m/config.pbtxt:\d+: field model_operations: not supported by orchestrion",
         ),
         (
             lambda r: write_model(r, "m", extra="version_policy: { specific: { versions: [7] } }"),
@@ -147,6 +147,22 @@ async def test_version_policy_selects_versions(
         (
             lambda r: write_model(r, "m", code="def execute(A):\n    return {}\n"),
             r"execute has no parameter for inputs X",
+        ),
+        (
+            lambda r: write_model(
+                r, "m", code="def initialize(c):\n    return 1\ndef execute(X):\n    return {}\n"
+            ),
+            r"initialize is defined, so execute receives its params first: execute\(params, X\)",
+        ),
+        (
+            lambda r: write_model(
+                r,
+                "m",
+                extra="instance_group [{ kind: KIND_GPU }] "
+                "parameters { key: 'execution' value { string_value: 'threads' } }",
+            ),
+            r"(?s)m/config.pbtxt \(model 'm'\): instance_group kind KIND_GPU, but JAX sees no GPU"
+            r".*parameter 'execution' must be one of auto, inline, thread, got 'threads'",
         ),
         (
             lambda r: write_model(
@@ -316,3 +332,5 @@ def test_validate_command_reports_every_problem(
     assert "steps use models that are not in the repository: 'shiftt'" in out
     assert "execute has no parameter for inputs X" in out
     assert "execute requires parameters that are not config inputs: Q" in out
+    assert cli(["validate", "--model-repository", str(tmp_path / "bad")]) == 1
+    assert "is a model folder" in capsys.readouterr().out
