@@ -444,7 +444,7 @@ class ModelRunner:
             instance.compiled.add(signature)
         if result is not None:
             work.outputs = result[0]
-        batch = _batch_size(self.model.config.max_batch_size, work.request.inputs)
+        batch = batch_size(self.model.config.max_batch_size, work.request.inputs)
         elapsed = time.perf_counter_ns() - started
         # A compilation says nothing about how long executions take.
         self._record(instance, started - work.enqueued_ns, result, elapsed, batch, not compiling)
@@ -485,7 +485,7 @@ class ModelRunner:
             result = self._execute_sync(instance, request)
         finally:
             instance.busy = False
-            batch = _batch_size(self.model.config.max_batch_size, request.inputs)
+            batch = batch_size(self.model.config.max_batch_size, request.inputs)
             self._record(instance, 0, result, time.perf_counter_ns() - started, batch)
         return self._response(request, result[0])
 
@@ -523,10 +523,10 @@ class ModelRunner:
         )
 
 
-def _batch_size(max_batch_size: int, inputs: Tensors) -> int:
+def batch_size(max_batch_size: int, inputs: Tensors) -> int:
+    """The number of inferences in a request: its batch size, or 1 without batching."""
     if max_batch_size <= 0 or not inputs:
         return 1
     return int(next(iter(inputs.values())).shape[0])
 
 
-batch_size = _batch_size
