@@ -229,37 +229,38 @@ class EnsembleRunner:
     async def _serve_step(
         self, step: _Step, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        try:
-            async with step.receive, trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    if step.slots is not None:
-                        await step.slots.acquire()
-                    try:
-                        run = await step.receive.receive()
-                    except trio.EndOfChannel:
-                        break
-                    step.queued -= 1
-                    if run.dead:
-                        self._release(step)
-                        run.step_done()
-                        continue
-                    request = self._step_request(step, run)
-                    if not self.router.ready_now(request):
-                        nursery.start_soon(self._run_step, step, run, request)
-                        continue
-                    # The model can run right now, synchronously: no task needed.
-                    response = self._call_model_now(step, run, request)
-                    blocked = self._advance(run, self._deliver(run, step.plan, response))
-                    if blocked:  # a successor's channel is full: wait for it in a task
-                        nursery.start_soon(self._hand_over, step, run, blocked)
-                    else:
-                        self._release(step)
-                        run.step_done()
-        finally:
-            # Stopped from outside (the server's nursery was cancelled): answer the runs
-            # still buffered here, so that no client waits forever.
-            self._drain(step)
+        async with step.receive:
+            try:
+                async with trio.open_nursery() as nursery:
+                    task_status.started()
+                    while True:
+                        if step.slots is not None:
+                            await step.slots.acquire()
+                        try:
+                            run = await step.receive.receive()
+                        except trio.EndOfChannel:
+                            break
+                        step.queued -= 1
+                        if run.dead:
+                            self._release(step)
+                            run.step_done()
+                            continue
+                        request = self._step_request(step, run)
+                        if not self.router.ready_now(request):
+                            nursery.start_soon(self._run_step, step, run, request)
+                            continue
+                        # The model can run right now, synchronously: no task needed.
+                        response = self._call_model_now(step, run, request)
+                        blocked = self._advance(run, self._deliver(run, step.plan, response))
+                        if blocked:  # a successor's channel is full: wait for it in a task
+                            nursery.start_soon(self._hand_over, step, run, blocked)
+                        else:
+                            self._release(step)
+                            run.step_done()
+            finally:
+                # Stopped from outside (the server's nursery was cancelled): answer the runs
+                # still buffered here, so that no client waits forever.
+                self._drain(step)
 
     def _drain(self, step: _Step) -> None:
         while True:

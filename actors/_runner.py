@@ -528,5 +528,3 @@ def batch_size(max_batch_size: int, inputs: Tensors) -> int:
     if max_batch_size <= 0 or not inputs:
         return 1
     return int(next(iter(inputs.values())).shape[0])
-
-

@@ -210,13 +210,20 @@ async def test_leaving_open_server_by_an_error_answers_other_tasks_requests(
 ) -> None:
     """A request of another task still running when the block fails gets ServerClosedError."""
     results: list[Any] = []
-    models = [_gated("slow", trio.Event()), _double(), _chain("chain", "slow", "double")]
+    models = [
+        _gated("slow", trio.Event()),
+        _double(),
+        _chain("chain", "slow", "double", max_inflight_requests=1),
+    ]
     inputs = {"IN": X} if target == "chain" else {"X": X}
 
     async def fail_while_serving(outer: trio.Nursery, guard: trio.CancelScope) -> None:
         async with orchestrion.open_server(models=models) as server:
             guard.deadline = trio.current_time() + 60
-            outer.start_soon(_outcome, server, results, target, inputs)
+            # For the chain: one running, one queued in the step's channel, one blocked at
+            # the entrance; for the model: one running, two queued.
+            for _ in range(3):
+                outer.start_soon(_outcome, server, results, target, inputs)
             await trio.testing.wait_all_tasks_blocked()
             raise _Boom
 
@@ -224,9 +231,10 @@ async def test_leaving_open_server_by_an_error_answers_other_tasks_requests(
         async with trio.open_nursery() as outer:
             with pytest.raises(_Boom):
                 await fail_while_serving(outer, guard)
-    assert not guard.cancelled_caught, "the other task's request never got an answer"
-    assert len(results) == 1
-    assert isinstance(results[0], orchestrion.ServerClosedError), results[0]
+    assert not guard.cancelled_caught, "another task's request never got an answer"
+    assert len(results) == 3
+    for result in results:
+        assert isinstance(result, orchestrion.ServerClosedError), result
 
 
 async def test_unload_waits_for_a_running_ensemble_request() -> None:
