@@ -16,7 +16,6 @@ import trio
 
 from .actors import Model, ModelRegistry
 from .protocols import (
-    InferenceError,
     InferenceTimeoutError,
     InferResponse,
     ModelConfig,
@@ -130,25 +129,12 @@ class AsyncServer:
             timeout=timeout,
         )
         if request.timeout is None:
-            response = await self._registry.infer(request)
-        else:
-            with trio.move_on_after(request.timeout) as scope:
-                response = await self._registry.infer(request)
-            # Work that cannot be interrupted (a synchronous execute) may finish late: a late
-            # answer is still a timeout.
-            if scope.cancelled_caught or trio.current_time() >= scope.deadline:
-                raise InferenceTimeoutError(
-                    f"request for model '{model_name}' timed out after {timeout} s"
-                )
-        wanted = request.requested_outputs
-        if wanted is not None and not wanted <= response.outputs.keys():
-            lost = ", ".join(f"'{o}'" for o in sorted(wanted - response.outputs.keys()))
-            raise InferenceError(
-                f"model '{model_name}' did not produce the requested outputs {lost} (a model "
-                "left them out of its result)",
-                model_name=model_name,
-            )
-        return response
+            return await self._registry.infer(request, strict_outputs=True)
+        with trio.move_on_after(request.timeout):
+            # Work that cannot be interrupted (a synchronous execute) may finish late: its
+            # result is then cancelled at the next checkpoint, and counted as a failure.
+            return await self._registry.infer(request, strict_outputs=True)
+        raise InferenceTimeoutError(f"request for model '{model_name}' timed out after {timeout} s")
 
     def model_statistics(
         self, name: str | None = None, version: int | None = None
@@ -176,7 +162,7 @@ class AsyncServer:
         """Whether ``name`` (at ``version``) is loaded and serving."""
         try:
             self._registry.resolve(name, version)
-        except LookupError:
+        except OrchestrionError:  # not loaded, or the server is closing
             return False
         return True
 
@@ -254,6 +240,7 @@ async def open_server(
             except BaseException as exc:
                 # Leaving by an error or a cancellation: stop everything now.
                 error = exc
+                registry.abort()
                 nursery.cancel_scope.cancel()
             else:
                 # Leaving normally: requests still running (from other tasks) finish first.

@@ -207,6 +207,11 @@ class EnsembleRunner:
                 await nursery.start(self._serve_step, step)
             task_status.started()
 
+    @property
+    def drained(self) -> bool:
+        """Closing, and no request is running any more."""
+        return self._closing and self._active == 0
+
     def begin_close(self) -> None:
         """Refuse new requests; the step actors stop once the running ones are answered.
 
@@ -362,8 +367,8 @@ class EnsembleRunner:
         with trio.CancelScope() as scope:
             run.scopes.add(scope)
             try:
-                if run.abandoned:
-                    scope.cancel()
+                if run.dead:  # failed or abandoned since it was queued
+                    return
                 response = await self._call_model(step, run, request)
                 for index in self._advance(run, self._deliver(run, step.plan, response)):
                     await self._send_to(run, index)

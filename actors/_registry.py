@@ -21,6 +21,7 @@ import trio
 
 from ..protocols import (
     ConfigError,
+    InferenceError,
     InferRequest,
     InferResponse,
     InvalidRequestError,
@@ -65,6 +66,17 @@ class Runner(Protocol):
     def statistics(self) -> ModelStatistics: ...
 
 
+def _check_requested(request: InferRequest, response: InferResponse) -> None:
+    wanted = request.requested_outputs
+    if wanted is not None and not wanted <= response.outputs.keys():
+        lost = ", ".join(f"'{o}'" for o in sorted(wanted - response.outputs.keys()))
+        raise InferenceError(
+            f"model '{request.model_name}' did not produce the requested outputs {lost} (a "
+            "model left them out of its result)",
+            model_name=request.model_name,
+        )
+
+
 def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """Turn a loader nursery's exception group into the one error a user should see."""
     leaves: list[BaseException] = []
@@ -98,6 +110,8 @@ class ModelRegistry:
     _definitions: dict[str, dict[int, Model]] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
+    _draining: list[EnsembleRunner] = attrs.field(factory=list)
+    """Unloaded (or replaced) ensembles whose running requests have not all finished."""
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -199,25 +213,35 @@ class ModelRegistry:
                 runner.config.name, runner.version, request, error, duration
             )
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, *, strict_outputs: bool = False) -> InferResponse:
         """Check ``request`` against its model's config and run it.
+
+        Args:
+            request: the request.
+            strict_outputs: a requested output the model leaves out is an error (for a
+                client that named it; an ensemble step just leaves it out).
 
         Raises:
             ModelNotFoundError: unknown model or version.
             InvalidRequestError: bad inputs or requested outputs (nothing ran).
-            InferenceError: the model or a step of the ensemble failed.
+            InferenceError: the model or a step of the ensemble failed, or (strict) a
+                requested output was left out.
         """
         runner, request = self._admit(request)
-        if runner.ready_now(request.inputs):
-            # Short synchronous work on an idle instance: run it here, between checkpoints
-            # (what trio's own non-blocking operations do), instead of a trip via the queue.
+        # Short synchronous work on an idle instance runs here, between a cancellation check
+        # and a checkpoint, instead of making a trip through the model's queue.
+        now = runner.ready_now(request.inputs)
+        if now:
             await trio.lowlevel.checkpoint_if_cancelled()
-            response = self._run_now(runner, request)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return response
         start = self._started(runner, request)
         try:
-            response = await runner.infer(request)
+            if now:
+                response = runner.infer_now(request)
+                await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+            else:
+                response = await runner.infer(request)
+            if strict_outputs:
+                _check_requested(request, response)
         except BaseException as exc:
             self._finished(runner, request, start, exc)
             raise
@@ -269,6 +293,8 @@ class ModelRegistry:
             ModelLoadError: a model's code failed to load or compile.
         """
         async with self._lock:
+            if self._closing:
+                raise ServerClosedError("the server is shutting down")
             await self._load_locked(models, replace=replace)
 
     async def _load_locked(self, models: Sequence[Model], *, replace: bool) -> None:
@@ -312,10 +338,14 @@ class ModelRegistry:
         except BaseException:
             await self._close_runners(started)
             raise
-        for model in ensembles:
-            ensemble = EnsembleRunner(model.config, model.version, self, self.observer)
-            await self.nursery.start(ensemble.serve)
-            started.setdefault(model.name, {})[model.version] = ensemble
+        try:
+            for model in ensembles:
+                ensemble = EnsembleRunner(model.config, model.version, self, self.observer)
+                await self.nursery.start(ensemble.serve)
+                started.setdefault(model.name, {})[model.version] = ensemble
+        except BaseException:  # cancelled while starting: stop what was started
+            await self._close_runners(started)
+            raise
         old = {name: self._runners.get(name, {}) for name in started}
         for name, runners in started.items():
             self._runners[name] = runners
@@ -331,6 +361,8 @@ class ModelRegistry:
         for runner in every:
             if isinstance(runner, EnsembleRunner):
                 runner.begin_close()
+                # Until its runs are done, it still uses its models (see `_uses`).
+                self._draining.append(runner)
             elif isinstance(runner, ModelRunner):
                 runner.close()
         for runner in every:
@@ -338,12 +370,15 @@ class ModelRegistry:
                 await runner.close()
 
     def _uses(self) -> dict[str, set[str]]:
-        """For each loaded ensemble, the models its steps use."""
-        return {
-            name: {s.model_name for s in config.ensemble_scheduling.step}
-            for name, config in self._loaded_configs().items()
-            if config.ensemble_scheduling is not None
-        }
+        """For each loaded or still draining ensemble, the models its steps use."""
+        self._draining = [r for r in self._draining if not r.drained]
+        configs = [*self._loaded_configs().values(), *(r.config for r in self._draining)]
+        uses: dict[str, set[str]] = {}
+        for config in configs:
+            if config.ensemble_scheduling is not None:
+                used = uses.setdefault(config.name, set())
+                used.update(s.model_name for s in config.ensemble_scheduling.step)
+        return uses
 
     def dependents(self, name: str) -> list[str]:
         """Loaded ensembles that use ``name``, directly or through other ensembles,
@@ -392,11 +427,15 @@ class ModelRegistry:
                 runners = self._runners.pop(victim, {})
                 self._definitions.pop(victim, None)
                 await self._close_runners({victim: runners})
+                for draining in [r for r in self._draining if r.config.name == victim]:
+                    await draining.close()  # left draining by an earlier, cancelled unload
 
     async def close(self) -> None:
         """Unload everything: ensembles first, outermost first, then the models they use."""
         async with self._lock:
             self._closing = True
+            for draining in list(self._draining):  # unloaded earlier, still finishing runs
+                await draining.close()
             ensembles = {n for n in self._runners if self._is_ensemble(n)}
             # Each ensemble refuses new requests and waits for its runs, whose steps still
             # need what it uses: inner ensembles and models go only afterwards.
@@ -404,6 +443,12 @@ class ModelRegistry:
                 await self._close_runners({name: self._runners[name]})
             models, self._runners = self._runners, {}
             await self._close_runners({n: r for n, r in models.items() if n not in ensembles})
+
+    def abort(self) -> None:
+        """The server is stopping by an error: answer nothing more (the actors are being
+        cancelled by their nursery)."""
+        self._closing = True
+        self._runners = {}
 
     def _is_ensemble(self, name: str) -> bool:
         versions = self._runners.get(name) or {}

@@ -295,7 +295,13 @@ class ModelRunner:
                 value.flags.writeable = False
             args[tensor.name] = value
         if self._takes_request:
-            args["request"] = request
+            # The request the model sees holds the same read-only views as its arguments.
+            args["request"] = request.derive(
+                model_name=request.model_name,
+                model_version=request.model_version,
+                inputs=dict(args),
+                requested_outputs=request.requested_outputs,
+            )
         return args
 
     def _execute_sync(
