@@ -9,6 +9,7 @@ cost of the layers of one synchronous step, timed in a tight loop.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -107,7 +108,7 @@ async def layers() -> list[tuple[str, float]]:
             ),
             (
                 "+ execute wrapper (timings, output checks)",
-                loop_cost(lambda: runner._execute_sync(instance, request.inputs)),
+                loop_cost(lambda: runner._execute_sync(instance, request)),
             ),
             ("+ instance, execution stats, response", loop_cost(lambda: runner.infer_now(request))),
             (
@@ -119,7 +120,9 @@ async def layers() -> list[tuple[str, float]]:
 
 def main() -> None:
     """Print both tables."""
-    n = 10000
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=10000, help="requests per pipeline")
+    n = parser.parse_args().requests
     print(f"jax {jax.__version__}, trio {trio.__version__}, {n} requests at concurrency 16\n")
     print(f"{'pipeline':<22}{'µs/request':>12}")
     print(f"{'direct model call':<22}{trio.run(per_request, [_model('m0')], 'm0', n, 16):>12.1f}")
