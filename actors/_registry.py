@@ -231,11 +231,10 @@ class ModelRegistry:
         # Short synchronous work on an idle instance runs here, between a cancellation check
         # and a checkpoint, instead of making a trip through the model's queue.
         now = runner.ready_now(request.inputs)
-        if now:
-            await trio.lowlevel.checkpoint_if_cancelled()
         start = self._started(runner, request)
         try:
             if now:
+                await trio.lowlevel.checkpoint_if_cancelled()
                 response = runner.infer_now(request)
                 await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
             else:
