@@ -47,6 +47,7 @@ from ..protocols import (
     TensorConfig,
     Tensors,
     apply_reshape,
+    match_batching,
     undo_reshape,
 )
 from ._stats import StatsRecorder
@@ -55,7 +56,9 @@ from ._stats import StatsRecorder
 class Router(Protocol):
     """How a step reaches its composing model: the registry, with its input checks."""
 
-    async def infer(self, request: InferRequest) -> InferResponse: ...
+    async def infer(
+        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
+    ) -> InferResponse: ...
 
     def ready_now(self, request: InferRequest) -> bool: ...
 
@@ -154,14 +157,12 @@ class EnsembleRunner:
     _closing: bool = False
     _plans: dict[frozenset[str], _Plan] = attrs.field(init=False, factory=dict)
     _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
-    _reshaped_outputs: tuple[TensorConfig, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.graph = EnsembleGraph.from_config(self.config)
         self.checker = TensorChecker(self.config)
         self.output_names = frozenset(self.graph.outputs)
         self._reshaped_inputs = tuple(t for t in self.config.input if t.reshape is not None)
-        self._reshaped_outputs = tuple(t for t in self.config.output if t.reshape is not None)
         self.stats = StatsRecorder(self.config.name, self.version)
         assert self.config.ensemble_scheduling is not None
         limit = self.config.ensemble_scheduling.max_inflight_requests
@@ -436,7 +437,7 @@ class EnsembleRunner:
         """Send the step's request to its model; on failure record the run's error."""
         self._begin_step(step, request)
         try:
-            response = await self.router.infer(request)
+            response = await self.router.infer(request, from_ensemble=True)
         except BaseException as exc:
             self._end_step(step, run, request, exc)
             if isinstance(exc, Exception):
@@ -554,9 +555,16 @@ class EnsembleRunner:
         if run.error is not None:
             raise run.error
         outputs = {t: run.tensors[t] for t in requested if t in run.tensors}
-        for tensor in self._reshaped_outputs:  # the client sees an output's dims
-            if tensor.name in outputs:
-                outputs[tensor.name] = undo_reshape(tensor, outputs[tensor.name], mbs)
+        for tensor in self.config.output:
+            value = outputs.get(tensor.name)
+            if value is None:
+                continue
+            # A producer that batches where the ensemble does not (or the other way round).
+            own = tensor.reshape.shape if tensor.reshape is not None else tensor.dims
+            value = match_batching(value, own, mbs)
+            if tensor.reshape is not None:  # the client sees an output's dims
+                value = undo_reshape(tensor, value, mbs)
+            outputs[tensor.name] = value
         return InferResponse(
             model_name=self.config.name,
             model_version=self.version,

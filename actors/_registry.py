@@ -173,10 +173,12 @@ class ModelRegistry:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _admit(self, request: InferRequest) -> tuple[Runner, InferRequest]:
+    def _admit(
+        self, request: InferRequest, from_ensemble: bool = False
+    ) -> tuple[Runner, InferRequest]:
         """Resolve the model and check the request against its config."""
         runner = self.resolve(request.model_name, request.model_version)
-        inputs = runner.checker.inputs(request.inputs)
+        inputs = runner.checker.inputs(request.inputs, adapt_batching=from_ensemble)
         wanted = request.requested_outputs
         if wanted is not None and not wanted <= runner.output_names:
             unknown = sorted(wanted - runner.output_names)
@@ -213,13 +215,17 @@ class ModelRegistry:
                 runner.config.name, runner.version, request, error, duration
             )
 
-    async def infer(self, request: InferRequest, *, strict_outputs: bool = False) -> InferResponse:
+    async def infer(
+        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
+    ) -> InferResponse:
         """Check ``request`` against its model's config and run it.
 
         Args:
             request: the request.
             strict_outputs: a requested output the model leaves out is an error (for a
                 client that named it; an ensemble step just leaves it out).
+            from_ensemble: the request is an ensemble step's: a leading batch of 1 is added
+                or removed where only one side batches (Triton's rule inside ensembles).
 
         Raises:
             ModelNotFoundError: unknown model or version.
@@ -227,7 +233,7 @@ class ModelRegistry:
             InferenceError: the model or a step of the ensemble failed, or (strict) a
                 requested output was left out.
         """
-        runner, request = self._admit(request)
+        runner, request = self._admit(request, from_ensemble)
         # Short synchronous work on an idle instance runs here, between a cancellation check
         # and a checkpoint, instead of making a trip through the model's queue.
         now = runner.ready_now(request.inputs)
@@ -257,12 +263,13 @@ class ModelRegistry:
         return runner is not None and runner.ready_now(request.inputs)
 
     def infer_now(self, request: InferRequest) -> InferResponse:
-        """`infer` for a model that `ready_now` said can run at once, in the caller's task.
+        """`infer` of an ensemble step whose model `ready_now` said can run at once, in the
+        caller's task.
 
         Raises:
             the errors of `infer`.
         """
-        runner, request = self._admit(request)
+        runner, request = self._admit(request, from_ensemble=True)
         return self._run_now(runner, request)
 
     def _run_now(self, runner: Runner, request: InferRequest) -> InferResponse:

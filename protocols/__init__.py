@@ -49,6 +49,7 @@ from ._tensors import TensorChecker as TensorChecker
 from ._tensors import apply_reshape as apply_reshape
 from ._tensors import check_inputs as check_inputs
 from ._tensors import check_outputs as check_outputs
+from ._tensors import match_batching as match_batching
 from ._tensors import undo_reshape as undo_reshape
 from ._validation import bytes_tensors as bytes_tensors
 from ._validation import validate_model_config as validate_model_config

@@ -134,7 +134,20 @@ class _TensorInfo:
     source: str
     data_type: object
     shape: tuple[int, ...]
+    """The full shape (a leading -1 when its producer batches); () when unknown."""
     step: int | None  # None for an ensemble input
+    batching: bool = False
+
+    def fits(self, shape: tuple[int, ...], batching: bool) -> bool:
+        """Triton's consistency rule: the full shapes agree, or only one side batches and
+        the per-item dims agree (a batch of 1 is added or removed on the way)."""
+        if not self.shape or _shapes_agree(self.shape, shape):
+            return True
+        if self.batching == batching:
+            return False
+        mine = self.shape[1:] if self.batching else self.shape
+        theirs = shape[1:] if batching else shape
+        return _shapes_agree(mine, theirs)
 
 
 def validate_ensemble(
@@ -179,6 +192,7 @@ def validate_ensemble(
             data_type=t.data_type,
             shape=_own_shape(t, config.max_batch_size),
             step=None,
+            batching=config.max_batch_size > 0,
         )
     graph = EnsembleGraph.from_config(config)
     unknown = sorted(
@@ -236,6 +250,7 @@ def validate_ensemble(
                 data_type=out.data_type if out else None,
                 shape=_full_shape(out, model.max_batch_size) if out and model else (),
                 step=step.index,
+                batching=model is not None and model.max_batch_size > 0,
             )
 
     # Pass 2: inputs, types and shapes along each tensor.
@@ -269,7 +284,7 @@ def validate_ensemble(
                     f"{inp.data_type.name}"
                 )
             shape = _full_shape(inp, model.max_batch_size)
-            if info.shape and not _shapes_agree(info.shape, shape):
+            if not info.fits(shape, model.max_batch_size > 0):
                 errors.append(
                     f"{where}: tensor '{tensor}' has shape {_fmt_shape(info.shape)} "
                     f"({info.source}) but input '{model_input}' expects {_fmt_shape(shape)}"
@@ -300,7 +315,7 @@ def validate_ensemble(
                 f"{info.source} is {info.data_type.name}"  # type: ignore[attr-defined]
             )
         shape = _own_shape(t, config.max_batch_size)
-        if info.shape and not _shapes_agree(info.shape, shape):
+        if not info.fits(shape, config.max_batch_size > 0):
             errors.append(
                 f"ensemble '{name}': ensemble output '{t.name}' has shape {_fmt_shape(shape)} "
                 f"but {info.source} has shape {_fmt_shape(info.shape)}"

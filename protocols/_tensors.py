@@ -205,6 +205,22 @@ def undo_reshape(
     return array.reshape(lead + tensor.dims)
 
 
+def match_batching(
+    array: np.ndarray[Any, Any], dims: tuple[int, ...], max_batch_size: int
+) -> np.ndarray[Any, Any]:
+    """Add or remove a leading batch of 1 where only one side of an ensemble tensor batches.
+
+    Triton lets a non-batching ``[16]`` tensor feed a batching model whose dims are ``[16]``
+    (it becomes ``[1,16]``), and the other way round for a batch of exactly 1.
+    """
+    rank = len(dims) + (1 if max_batch_size > 0 else 0)
+    if array.ndim == rank - 1 and max_batch_size > 0:
+        return array[np.newaxis]
+    if array.ndim == rank + 1 and max_batch_size == 0 and array.shape[0] == 1:
+        return np.squeeze(array, axis=0)
+    return array
+
+
 class _Slow(Exception):
     """The fast path cannot decide: take the careful path (which explains any error)."""
 
@@ -260,10 +276,16 @@ class TensorChecker:
             if t.data_type is not DataType.BYTES and t.reshape is None
         }
 
-    def inputs(self, inputs: Mapping[str, Any]) -> Tensors:
-        """Like `check_inputs`; returns ``inputs`` itself when it needed no conversion."""
+    def inputs(self, inputs: Mapping[str, Any], *, adapt_batching: bool = False) -> Tensors:
+        """Like `check_inputs`; returns ``inputs`` itself when it needed no conversion.
+
+        Args:
+            inputs: the request's tensors.
+            adapt_batching: add or remove a leading batch of 1 where the rank is off by one
+                (for tensors inside an ensemble, see `match_batching`).
+        """
         if not self._inputs_simple:
-            return check_inputs(self.config, inputs)
+            return self._careful(inputs, adapt_batching)
         out: dict[str, np.ndarray[Any, Any]] = {}
         batch = -1
         try:
@@ -286,9 +308,21 @@ class TensorChecker:
             if len(out) != len(inputs):
                 raise _Slow
         except _Slow:
-            return check_inputs(self.config, inputs)
+            return self._careful(inputs, adapt_batching)
         # Everything checked and nothing converted: hand back the caller's own dict.
         return inputs if type(inputs) is dict else out
+
+    def _careful(self, inputs: Mapping[str, Any], adapt_batching: bool) -> Tensors:
+        if adapt_batching:
+            mbs = self.config.max_batch_size
+            dims = {t.name: t.dims for t in self.config.input}
+            inputs = {
+                name: match_batching(value, dims[name], mbs)
+                if name in dims and isinstance(value, np.ndarray)
+                else value
+                for name, value in inputs.items()
+            }
+        return check_inputs(self.config, inputs)
 
     def outputs(self, outputs: Any) -> Tensors:
         """Like `check_outputs`; raises ValueError for a bad result."""

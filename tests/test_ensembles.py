@@ -524,3 +524,32 @@ async def test_ensemble_inputs_and_outputs_take_their_reshape() -> None:
     async with orchestrion.open_server(models=models) as server:
         out = await server.infer("flat", {"IN": np.array([1, 2, 3, 4], np.float32)})
     assert out.outputs["OUT"].tolist() == [1.0, 3.0, 2.0, 4.0]
+
+
+async def test_batch_of_one_is_added_or_removed_where_only_one_side_batches() -> None:
+    """A non-batching ensemble feeds a batching model (batch of 1 added) and gets [16] back."""
+    models = [
+        model(
+            "batched",
+            lambda X: {"Y": X + 1},
+            [tensor("X", dims=(16,))],
+            [tensor("Y", dims=(16,))],
+            max_batch_size=8,
+        ),
+        model(
+            "plain", lambda X: {"Y": X * 2}, [tensor("X", dims=(16,))], [tensor("Y", dims=(16,))]
+        ),
+        ensemble(
+            "mixed",
+            [tensor("IN", dims=(16,))],
+            [tensor("OUT", dims=(16,)), tensor("MID", dims=(16,))],
+            [
+                step("batched", {"X": "IN"}, {"Y": "MID"}),
+                step("plain", {"X": "MID"}, {"Y": "OUT"}),
+            ],
+        ),
+    ]
+    async with orchestrion.open_server(models=models) as server:
+        out = await server.infer("mixed", {"IN": np.zeros(16, np.float32)})
+    assert out.outputs["MID"].shape == (16,)
+    assert out.outputs["OUT"].tolist() == [2.0] * 16

@@ -442,13 +442,21 @@ def test_batching_matches_non_batching_with_leading_wildcard() -> None:
     assert validate_repository(pipeline_repo(pipe=config, pre=pre, infer=infer)) == []
 
 
-def test_batching_does_not_match_non_batching_without_batch_dim() -> None:
-    """A batching [16] tensor does not match a non-batching [16]."""
+def test_batching_matches_non_batching_with_the_same_item_dims() -> None:
+    """A batching [16] tensor may feed a non-batching [16] (Triton adds/removes a batch of 1)."""
     config = pipeline(max_batch_size=8, inputs=[tensor("RAW", dims=(16,))])
     pre = model("pre", inputs=[tensor("IN", dims=(16,))])
     errors = validate_repository(pipeline_repo(pipe=config, pre=pre))
+    assert not any("tensor 'RAW' has shape" in e for e in errors), errors
+
+
+def test_batching_does_not_match_non_batching_with_other_item_dims() -> None:
+    """A batching [16] tensor does not fit a non-batching [8]."""
+    config = pipeline(max_batch_size=8, inputs=[tensor("RAW", dims=(16,))])
+    pre = model("pre", inputs=[tensor("IN", dims=(8,))])
+    errors = validate_repository(pipeline_repo(pipe=config, pre=pre))
     assert any(
-        "step[0] (model 'pre'): tensor 'RAW' has shape [-1,16]" in e and "expects [16]" in e
+        "step[0] (model 'pre'): tensor 'RAW' has shape [-1,16]" in e and "expects [8]" in e
         for e in errors
     ), errors
 

@@ -1,8 +1,8 @@
 """Triton compatibility of the pure core: config parsing, data types, model and ensemble rules,
 repository layout, request checks.
 
-Passing tests pin behaviour that matches Triton. ``xfail(strict=True)`` tests prove a
-discrepancy: each fails today and must start passing (drop the mark) once it is fixed.
+Tests pin behaviour that matches Triton; several started as proofs of a discrepancy that has
+since been fixed.
 
 References (triton-inference-server, main branch):
 - core ``src/model_config_utils.cc``: ``ValidateIOShape``, ``ValidateModelConfig``,
@@ -552,12 +552,6 @@ def test_ensemble_input_reshape_is_the_tensor_shape() -> None:
     assert validate_ensemble(e, repo(model)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ValidateTensorConsistency accepts a tensor when the dims without batch agree OR the "
-    "full shapes agree, and ReshapeTensorDims adds/strips a batch of 1 at run time; "
-    "_ensemble.py:108 compares full shapes only",
-)
 def test_nonbatching_ensemble_may_feed_a_batching_model_with_the_same_dims() -> None:
     """A non-batching ensemble tensor [16] feeds a batching model whose dims are [16]."""
     model = composing("b", [tc("IN", (16,))], [tc("OUT", (16,))], max_batch_size=8)
