@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import jax
 
-from ..protocols import ConfigError, DataType, InstanceKind, ModelConfig, bytes_tensors
+from ..protocols import DataType, InstanceKind, ModelConfig, bytes_tensors
 
 EXECUTION_MODES = ("auto", "inline", "thread")
 
@@ -188,10 +188,3 @@ def check_model(model: Model) -> list[str]:
             + ", ".join(optional_without_default)
         )
     return errors
-
-
-def ensure_valid(model: Model) -> None:
-    """Raise `ConfigError` if ``model`` breaks the contract."""
-    errors = check_model(model)
-    if errors:
-        raise ConfigError(errors)

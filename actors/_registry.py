@@ -107,7 +107,6 @@ class ModelRegistry:
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     repository: Path | None = None
     _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
-    _definitions: dict[str, dict[int, Model]] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
     _draining: list[EnsembleRunner] = attrs.field(factory=list)
@@ -355,7 +354,6 @@ class ModelRegistry:
         old = {name: self._runners.get(name, {}) for name in started}
         for name, runners in started.items():
             self._runners[name] = runners
-            self._definitions[name] = new[name]
         await self._close_runners(old)
 
     async def _close_runners(self, runners: Mapping[str, Mapping[int, Runner]]) -> None:
@@ -431,7 +429,6 @@ class ModelRegistry:
                 )
             for victim in [*users, name]:  # outermost first: inner ones still serve them
                 runners = self._runners.pop(victim, {})
-                self._definitions.pop(victim, None)
                 await self._close_runners({victim: runners})
                 for draining in [r for r in self._draining if r.config.name == victim]:
                     await draining.close()  # left draining by an earlier, cancelled unload

@@ -31,7 +31,6 @@ import numpy as np
 import trio
 
 from ..protocols import (
-    ConfigError,
     InferenceError,
     InferRequest,
     InferResponse,
@@ -44,7 +43,7 @@ from ..protocols import (
     Tensors,
     apply_reshape,
 )
-from ._definition import EXECUTION_MODES, Model, takes_request
+from ._definition import Model, takes_request
 from ._stats import StatsRecorder
 
 THREAD_ABOVE_NS = 500_000
@@ -86,32 +85,16 @@ class _Instance:
 
 
 def _devices(model: Model) -> list[Any]:
-    """One device per instance, following ``instance_group``."""
+    """One device per instance, following ``instance_group`` (checked by `check_model`)."""
     groups = model.config.instance_group
     if not groups:
         return [jax.devices()[0]]
     devices: list[Any] = []
     for group in groups:
         if group.kind is InstanceKind.KIND_GPU:
-            try:
-                gpus = jax.devices("gpu")
-            except RuntimeError:
-                gpus = []
-            if not gpus:
-                raise ConfigError(
-                    f"{model.source} (model '{model.name}'): instance_group kind KIND_GPU, "
-                    "but JAX sees no GPU (install orchestrion[cuda] on a GPU machine, or use "
-                    "KIND_CPU)"
-                )
+            gpus = jax.devices("gpu")
             ids = group.gpus or tuple(range(len(gpus)))
-            for i in range(group.count):
-                gpu = ids[i % len(ids)]
-                if gpu >= len(gpus):
-                    raise ConfigError(
-                        f"{model.source} (model '{model.name}'): instance_group asks for GPU "
-                        f"{gpu}, but JAX sees {len(gpus)}"
-                    )
-                devices.append(gpus[gpu])
+            devices.extend(gpus[ids[i % len(ids)]] for i in range(group.count))
         elif group.kind is InstanceKind.KIND_CPU:
             devices.extend([jax.devices("cpu")[0]] * group.count)
         else:
@@ -147,12 +130,8 @@ class ModelRunner:
         self.stats = StatsRecorder(self.model.name, self.model.version)
         self._is_async = inspect.iscoroutinefunction(self.model.execute)
         self._fn = jax.jit(self.model.execute) if self.model.jit else self.model.execute
+        # Checked against EXECUTION_MODES by check_model before any runner is made.
         self._mode = self.model.config.parameters.get("execution", "auto")
-        if self._mode not in EXECUTION_MODES:
-            raise ConfigError(
-                f"{self.model.source} (model '{self.model.name}'): parameter 'execution' "
-                f"must be one of {', '.join(EXECUTION_MODES)}, got '{self._mode}'"
-            )
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self.checker = TensorChecker(self.model.config)
         self.output_names = frozenset(t.name for t in self.model.config.output)

@@ -6,7 +6,10 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from orchestrion import Model
+import trio
+
+from orchestrion import AsyncServer, Model
+from orchestrion.actors import ModelRunner
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,
@@ -112,3 +115,56 @@ class StepRecorder(Observer):
     ) -> None:
         self.in_flight[(ensemble, step)] -= 1
         self.finished.append((ensemble, step, error))
+
+
+def gated(name: str, gate: trio.Event, count: int = 8) -> Model:
+    """An async identity model that waits for ``gate`` (never blocks the event loop)."""
+
+    async def execute(X: Any) -> dict[str, Any]:
+        await gate.wait()
+        return {"Y": X}
+
+    return model(name, execute, [tensor("X")], [tensor("Y")], jit=False, count=count)
+
+
+def double(name: str = "double", *, jit: bool = True) -> Model:
+    """``Y = X * 2``."""
+    return model(name, lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")], jit=jit)
+
+
+def chain(name: str, first: str, second: str, **kw: Any) -> Model:
+    """An ensemble running ``first`` then ``second`` (both X -> Y)."""
+    return ensemble(
+        name,
+        [tensor("IN")],
+        [tensor("OUT")],
+        [step(first, {"X": "IN"}, {"Y": "mid"}), step(second, {"X": "mid"}, {"Y": "OUT"})],
+        **kw,
+    )
+
+
+async def outcome(server: AsyncServer, into: list[Any], *args: Any, **kw: Any) -> None:
+    """Run one request and record its response or its error."""
+    try:
+        into.append(await server.infer(*args, **kw))
+    except Exception as exc:
+        into.append(exc)
+
+
+def assert_idle(server: AsyncServer, *ensembles: str) -> None:
+    """Every counter is back at rest: steps, slots, pending counts, model queues, busy flags."""
+    registry = server._registry
+    for name in ensembles:
+        for s in server.step_statistics(name):
+            assert (s.queued, s.in_flight) == (0, 0), s
+        for s in registry.resolve(name)._steps:
+            if s.slots is not None:  # the actor holds one slot while it waits to receive
+                assert s.slots.value >= s.capacity - 1, (name, s.plan.index, s.slots.value)
+    for stats in server.model_statistics():
+        assert stats.pending_request_count == 0, stats
+    for name in server.model_names():
+        for version in server.model_versions(name):
+            runner = registry.resolve(name, version)
+            if isinstance(runner, ModelRunner):
+                assert runner._queued == 0, name
+                assert not any(i.busy for i in runner.instances), name

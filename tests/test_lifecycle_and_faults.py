@@ -15,59 +15,21 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import StepRecorder, ensemble, model, step, tensor
-from orchestrion.actors import ModelRunner
+from builders import (
+    StepRecorder,
+    assert_idle,
+    chain,
+    double,
+    ensemble,
+    gated,
+    model,
+    outcome,
+    step,
+    tensor,
+)
 from orchestrion.protocols import Reshape
 
 X = np.ones(16, np.float32)
-
-
-def _gated(name: str, gate: trio.Event, count: int = 8) -> orchestrion.Model:
-    """An async identity model that waits for ``gate`` (never blocks the event loop)."""
-
-    async def execute(X):
-        await gate.wait()
-        return {"Y": X}
-
-    return model(name, execute, [tensor("X")], [tensor("Y")], jit=False, count=count)
-
-
-def _double(name: str = "double") -> orchestrion.Model:
-    return model(name, lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")])
-
-
-def _chain(name: str, first: str, second: str, **kw: Any) -> orchestrion.Model:
-    return ensemble(
-        name,
-        [tensor("IN")],
-        [tensor("OUT")],
-        [step(first, {"X": "IN"}, {"Y": "mid"}), step(second, {"X": "mid"}, {"Y": "OUT"})],
-        **kw,
-    )
-
-
-def _idle(server: orchestrion.AsyncServer, *ensembles: str) -> None:
-    """Step counters, pending counts, model queues and busy flags are all back to zero."""
-    for name in ensembles:
-        for s in server.step_statistics(name):
-            assert (s.queued, s.in_flight) == (0, 0), s
-    for stats in server.model_statistics():
-        assert stats.pending_request_count == 0, stats
-    registry = server._registry
-    for name in server.model_names():
-        for version in server.model_versions(name):
-            runner = registry.resolve(name, version)
-            if isinstance(runner, ModelRunner):
-                assert runner._queued == 0, name
-                assert not any(i.busy for i in runner.instances), name
-
-
-async def _outcome(server: orchestrion.AsyncServer, into: list[Any], *args: Any, **kw: Any) -> None:
-    """Run one request and record its response or its error."""
-    try:
-        into.append(await server.infer(*args, **kw))
-    except Exception as exc:
-        into.append(exc)
 
 
 # -- shutdown and unloading ------------------------------------------------------------------
@@ -77,14 +39,14 @@ async def test_leaving_open_server_lets_a_running_ensemble_request_finish() -> N
     """Leaving the block normally lets another task's ensemble request run its later steps."""
     gate = trio.Event()
     results: list[Any] = []
-    models = [_gated("slow", gate), _double(), _chain("chain", "slow", "double")]
+    models = [gated("slow", gate), double(), chain("chain", "slow", "double")]
 
     async def open_gate_once_closing() -> None:
         await trio.testing.wait_all_tasks_blocked()
         gate.set()
 
     async with trio.open_nursery() as outer, orchestrion.open_server(models=models) as server:
-        outer.start_soon(_outcome, server, results, "chain", {"IN": X})
+        outer.start_soon(outcome, server, results, "chain", {"IN": X})
         await trio.testing.wait_all_tasks_blocked()
         outer.start_soon(open_gate_once_closing)
     assert len(results) == 1
@@ -97,8 +59,8 @@ async def test_leaving_open_server_drains_an_outer_ensemble_before_its_inner_one
     gate = trio.Event()
     results: list[Any] = []
     models = [
-        _gated("slow", gate),
-        _double(),
+        gated("slow", gate),
+        double(),
         # The inner ensemble is listed (so loaded and closed) before the outer one.
         ensemble(
             "inner", [tensor("IN")], [tensor("OUT")], [step("double", {"X": "IN"}, {"Y": "OUT"})]
@@ -116,7 +78,7 @@ async def test_leaving_open_server_drains_an_outer_ensemble_before_its_inner_one
         gate.set()
 
     async with trio.open_nursery() as outer, orchestrion.open_server(models=models) as server:
-        outer.start_soon(_outcome, server, results, "outer", {"IN": X})
+        outer.start_soon(outcome, server, results, "outer", {"IN": X})
         await trio.testing.wait_all_tasks_blocked()
         outer.start_soon(open_gate_once_closing)
     assert len(results) == 1
@@ -126,7 +88,7 @@ async def test_leaving_open_server_drains_an_outer_ensemble_before_its_inner_one
 async def test_unload_dependents_also_unloads_ensembles_of_ensembles() -> None:
     """Unloading a model with its dependents leaves no ensemble pointing at a missing model."""
     models = [
-        _double(),
+        double(),
         ensemble(
             "inner", [tensor("IN")], [tensor("OUT")], [step("double", {"X": "IN"}, {"Y": "OUT"})]
         ),
@@ -144,8 +106,8 @@ async def test_unload_dependents_lets_a_running_outer_request_finish() -> None:
     gate = trio.Event()
     results: list[Any] = []
     models = [
-        _gated("slow", gate),
-        _double(),
+        gated("slow", gate),
+        double(),
         # Both use 'double' directly; 'b_outer' also uses 'a_inner', which sorts first.
         ensemble(
             "a_inner", [tensor("IN")], [tensor("OUT")], [step("double", {"X": "IN"}, {"Y": "OUT"})]
@@ -163,7 +125,7 @@ async def test_unload_dependents_lets_a_running_outer_request_finish() -> None:
     ]
     async with orchestrion.open_server(models=models) as server:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_outcome, server, results, "b_outer", {"IN": X})
+            nursery.start_soon(outcome, server, results, "b_outer", {"IN": X})
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(
                 functools.partial(server.unload_model, "double", unload_dependents=True)
@@ -185,10 +147,10 @@ async def test_cancelled_unload_or_reload_does_not_hang_the_server_exit(
         "e", [tensor("IN")], [tensor("OUT")], [step("slow", {"X": "IN"}, {"Y": "OUT"})]
     )
     with trio.CancelScope() as guard:
-        async with orchestrion.open_server(models=[_gated("slow", gate), chain]) as server:
+        async with orchestrion.open_server(models=[gated("slow", gate), chain]) as server:
             guard.deadline = trio.current_time() + 60  # set after loading, which uses threads
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_outcome, server, results, "e", {"IN": X})
+                nursery.start_soon(outcome, server, results, "e", {"IN": X})
                 await trio.testing.wait_all_tasks_blocked()
                 with trio.move_on_after(1):  # the caller gives up waiting for the drain
                     if action == "unload":
@@ -211,9 +173,9 @@ async def test_leaving_open_server_by_an_error_answers_other_tasks_requests(
     """A request of another task still running when the block fails gets ServerClosedError."""
     results: list[Any] = []
     models = [
-        _gated("slow", trio.Event()),
-        _double(),
-        _chain("chain", "slow", "double", max_inflight_requests=1),
+        gated("slow", trio.Event()),
+        double(),
+        chain("chain", "slow", "double", max_inflight_requests=1),
     ]
     inputs = {"IN": X} if target == "chain" else {"X": X}
 
@@ -223,7 +185,7 @@ async def test_leaving_open_server_by_an_error_answers_other_tasks_requests(
             # For the chain: one running, one queued in the step's channel, one blocked at
             # the entrance; for the model: one running, two queued.
             for _ in range(3):
-                outer.start_soon(_outcome, server, results, target, inputs)
+                outer.start_soon(outcome, server, results, target, inputs)
             await trio.testing.wait_all_tasks_blocked()
             raise _Boom
 
@@ -241,10 +203,10 @@ async def test_unload_waits_for_a_running_ensemble_request() -> None:
     """Unloading an ensemble (with dependents) lets its running request finish first."""
     gate = trio.Event()
     results: list[Any] = []
-    models = [_gated("slow", gate), _double(), _chain("chain", "slow", "double")]
+    models = [gated("slow", gate), double(), chain("chain", "slow", "double")]
     async with orchestrion.open_server(models=models) as server:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_outcome, server, results, "chain", {"IN": X})
+            nursery.start_soon(outcome, server, results, "chain", {"IN": X})
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(
                 functools.partial(server.unload_model, "slow", unload_dependents=True)
@@ -260,11 +222,11 @@ async def test_reloading_a_composing_model_under_load_loses_no_request() -> None
     """Replacing a composing model while requests are queued and running answers them all."""
     gate = trio.Event()
     results: list[Any] = []
-    models = [_gated("slow", gate, count=2), _double(), _chain("chain", "slow", "double")]
+    models = [gated("slow", gate, count=2), double(), chain("chain", "slow", "double")]
     async with orchestrion.open_server(models=models) as server:
         async with trio.open_nursery() as nursery:
             for _ in range(6):
-                nursery.start_soon(_outcome, server, results, "chain", {"IN": X})
+                nursery.start_soon(outcome, server, results, "chain", {"IN": X})
             await trio.testing.wait_all_tasks_blocked()
             await server.load_model(
                 model("double", lambda X: {"Y": X * 3}, [tensor("X")], [tensor("Y")])
@@ -272,17 +234,17 @@ async def test_reloading_a_composing_model_under_load_loses_no_request() -> None
             gate.set()
         assert len(results) == 6
         assert all(r.outputs["OUT"][0] in (2.0, 3.0) for r in results), results
-        _idle(server, "chain")
+        assert_idle(server, "chain")
 
 
 async def test_unloading_a_model_with_queued_requests_runs_them_then_refuses() -> None:
     """Requests queued on a model being unloaded still run; new ones are refused."""
     gate = trio.Event()
     results: list[Any] = []
-    async with orchestrion.open_server(models=[_gated("slow", gate, count=1)]) as server:
+    async with orchestrion.open_server(models=[gated("slow", gate, count=1)]) as server:
         async with trio.open_nursery() as nursery:
             for _ in range(3):
-                nursery.start_soon(_outcome, server, results, "slow", {"X": X})
+                nursery.start_soon(outcome, server, results, "slow", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
             await server.unload_model("slow")
             with pytest.raises(orchestrion.ModelNotFoundError):
@@ -299,12 +261,12 @@ async def test_observer_sees_step_finished_for_a_cancelled_step(
 ) -> None:
     """Every step_started is matched by a step_finished, also when the request times out."""
     recorder = StepRecorder()
-    models = [_gated("slow", trio.Event()), _double(), _chain("chain", "slow", "double")]
+    models = [gated("slow", trio.Event()), double(), chain("chain", "slow", "double")]
     async with orchestrion.open_server(models=models, observers=[recorder]) as server:
         with pytest.raises(orchestrion.InferenceTimeoutError):
             await server.infer("chain", {"IN": X}, timeout=1.0)
         await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "chain")
+        assert_idle(server, "chain")
         assert recorder.in_flight[("chain", 0)] == 0
 
 
@@ -312,8 +274,8 @@ def _pressure(gate: trio.Event) -> list[orchestrion.Model]:
     """fast (inline) -> slow (gated), one request in flight per step."""
     return [
         model("fast", lambda X: {"Y": X}, [tensor("X")], [tensor("Y")]),
-        _gated("slow", gate),
-        _chain("pressure", "fast", "slow", max_inflight_requests=1),
+        gated("slow", gate),
+        chain("pressure", "fast", "slow", max_inflight_requests=1),
     ]
 
 
@@ -330,7 +292,7 @@ async def test_cancelling_every_waiting_position_releases_everything() -> None:
             assert (slow.in_flight, slow.queued, fast.queued) == (1, 1, 1)
             nursery.cancel_scope.cancel()
         await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "pressure")
+        assert_idle(server, "pressure")
         stats = server.model_statistics("pressure")[0].inference_stats
         assert (stats.success.count, stats.fail.count) == (0, 6)
         recorder.peak.clear()
@@ -339,7 +301,7 @@ async def test_cancelling_every_waiting_position_releases_everything() -> None:
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(server.infer, "pressure", {"IN": X})
-        _idle(server, "pressure")
+        assert_idle(server, "pressure")
         assert recorder.peak == {("pressure", 0): 1, ("pressure", 1): 1}
 
 
@@ -356,7 +318,7 @@ async def test_timeout_while_blocked_at_the_entrance_frees_the_entrance(
             with pytest.raises(orchestrion.InferenceTimeoutError):
                 await server.infer("pressure", {"IN": X}, timeout=0.5)
             gate.set()
-        _idle(server, "pressure")
+        assert_idle(server, "pressure")
         out = await server.infer("pressure", {"IN": X}, timeout=0.5)
         assert out.outputs["OUT"].tolist() == [1.0] * 16
 
@@ -365,9 +327,9 @@ async def test_cancelling_a_nested_ensemble_releases_both_levels() -> None:
     """Cancelling a request inside a nested ensemble frees the outer and the inner steps."""
     gate = trio.Event()
     models = [
-        _gated("slow", gate),
-        _double(),
-        _chain("inner", "slow", "double", max_inflight_requests=2),
+        gated("slow", gate),
+        double(),
+        chain("inner", "slow", "double", max_inflight_requests=2),
         ensemble(
             "outer",
             [tensor("IN")],
@@ -387,7 +349,7 @@ async def test_cancelling_a_nested_ensemble_releases_both_levels() -> None:
             assert server.step_statistics("inner")[0].in_flight == 2
             nursery.cancel_scope.cancel()
         await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "inner", "outer")
+        assert_idle(server, "inner", "outer")
         gate.set()
         out = await server.infer("outer", {"IN": X})
         assert out.outputs["OUT"].tolist() == [4.0] * 16
@@ -412,7 +374,7 @@ def _split_pipeline(gate: trio.Event) -> list[orchestrion.Model]:
             [tensor("A"), tensor("B")],
         ),
         model("check", check, [tensor("X")], [tensor("Y")], jit=False),
-        _gated("slow", gate),
+        gated("slow", gate),
         ensemble(
             "split_join",
             [tensor("IN")],
@@ -438,7 +400,7 @@ async def test_a_failed_request_is_answered_while_its_other_branch_is_backpressu
         for _ in range(2):  # one running at 'slow', one queued there
             nursery.start_soon(server.infer, "split_join", {"IN": X})
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(_outcome, server, results, "split_join", {"IN": -X})
+        nursery.start_soon(outcome, server, results, "split_join", {"IN": -X})
         await trio.testing.wait_all_tasks_blocked()
         try:  # the failed request's other branch waits to hand over to the full 'slow'
             assert len(results) == 1
@@ -454,7 +416,7 @@ async def test_errors_under_backpressure_leave_every_step_idle() -> None:
     async with orchestrion.open_server(models=_split_pipeline(gate)) as server:
         async with trio.open_nursery() as nursery:
             for sign in (1, 1, -1, 1, -1):
-                nursery.start_soon(_outcome, server, results, "split_join", {"IN": sign * X})
+                nursery.start_soon(outcome, server, results, "split_join", {"IN": sign * X})
                 await trio.testing.wait_all_tasks_blocked()
             gate.set()
         errors = [r for r in results if isinstance(r, Exception)]
@@ -462,7 +424,7 @@ async def test_errors_under_backpressure_leave_every_step_idle() -> None:
         assert all(isinstance(e, orchestrion.InferenceError) for e in errors)
         assert all("model 'check'" in str(e) for e in errors)
         assert sum(1 for r in results if not isinstance(r, Exception)) == 3
-        _idle(server, "split_join")
+        assert_idle(server, "split_join")
 
 
 async def test_fan_in_with_a_failing_branch_gives_one_error_and_frees_everything() -> None:
@@ -477,7 +439,7 @@ async def test_fan_in_with_a_failing_branch_gives_one_error_and_frees_everything
     recorder = StepRecorder()
     models = [
         model("left", fail, [tensor("X")], [tensor("Y")], jit=False, count=8),
-        _gated("right", right_gate),
+        gated("right", right_gate),
         model("join", lambda L, R: {"Y": L + R}, [tensor("L"), tensor("R")], [tensor("Y")]),
         ensemble(
             "fan_in",
@@ -495,7 +457,7 @@ async def test_fan_in_with_a_failing_branch_gives_one_error_and_frees_everything
         results: list[Any] = []
         async with trio.open_nursery() as nursery:
             for _ in range(4):
-                nursery.start_soon(_outcome, server, results, "fan_in", {"IN": X})
+                nursery.start_soon(outcome, server, results, "fan_in", {"IN": X})
             await trio.testing.wait_all_tasks_blocked()
             left_gate.set()
             await trio.testing.wait_all_tasks_blocked()
@@ -505,7 +467,7 @@ async def test_fan_in_with_a_failing_branch_gives_one_error_and_frees_everything
         assert all(isinstance(r, orchestrion.InferenceError) for r in results)
         assert all("left branch broke" in str(r) for r in results)
         assert server.model_statistics("join")[0].execution_count == 0
-        _idle(server, "fan_in")
+        assert_idle(server, "fan_in")
         assert all(n == 0 for n in recorder.in_flight.values())
 
 
@@ -540,12 +502,12 @@ async def test_max_inflight_holds_with_inline_and_queued_steps_mixed(
         async with trio.open_nursery() as nursery:
             for i in range(50):
                 x = np.full(16, i, np.float32)
-                nursery.start_soon(_outcome, server, results, "mixed", {"IN": x})
+                nursery.start_soon(outcome, server, results, "mixed", {"IN": x})
         assert sorted(float(r.outputs["OUT"][0]) for r in results) == [
             (i + 1) * 2.0 for i in range(50)
         ]
         assert max(recorder.peak.values()) <= 3
-        _idle(server, "mixed")
+        assert_idle(server, "mixed")
 
 
 # -- errors that must not take the server down --------------------------------------------------
@@ -617,16 +579,16 @@ async def test_a_raising_observer_does_not_take_the_server_down() -> None:
     """An observer that raises once costs at most that request; the server keeps serving."""
     gate = trio.Event()
     gate.set()
-    models = [_gated("slow", gate), _chain("e", "slow", "slow", max_inflight_requests=1)]
+    models = [gated("slow", gate), chain("e", "slow", "slow", max_inflight_requests=1)]
     async with orchestrion.open_server(models=models, observers=[_FlakyExporter()]) as server:
         first: list[Any] = []
-        await _outcome(server, first, "e", {"IN": X})
+        await outcome(server, first, "e", {"IN": X})
         # The unlucky request may fail, but must not "succeed" without its output.
         assert isinstance(first[0], Exception) or "OUT" in first[0].outputs, first[0]
         out = await server.infer("e", {"IN": X})
         assert out.outputs["OUT"].tolist() == [1.0] * 16
         await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "e")
+        assert_idle(server, "e")
 
 
 async def test_an_omitted_optional_ensemble_input_reaches_an_optional_model_input() -> None:

@@ -19,35 +19,21 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import StepRecorder, ensemble, model, step, tensor
-from orchestrion.actors import ModelRunner
+from builders import (
+    StepRecorder,
+    assert_idle,
+    chain,
+    double,
+    ensemble,
+    gated,
+    model,
+    outcome,
+    step,
+    tensor,
+)
 from orchestrion.actors import _ensemble as ensemble_module
 
 X = np.ones(16, np.float32)
-
-
-def _gated(name: str, gate: trio.Event, count: int = 8) -> orchestrion.Model:
-    """An async identity model that waits for ``gate`` (never blocks the event loop)."""
-
-    async def execute(X):
-        await gate.wait()
-        return {"Y": X}
-
-    return model(name, execute, [tensor("X")], [tensor("Y")], jit=False, count=count)
-
-
-def _double(name: str = "double") -> orchestrion.Model:
-    return model(name, lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")], jit=False)
-
-
-def _chain(name: str, first: str, second: str, **kw: Any) -> orchestrion.Model:
-    return ensemble(
-        name,
-        [tensor("IN")],
-        [tensor("OUT")],
-        [step(first, {"X": "IN"}, {"Y": "mid"}), step(second, {"X": "mid"}, {"Y": "OUT"})],
-        **kw,
-    )
 
 
 def _held_in_a_thread(name: str, release: threading.Event, add: float = 0.0) -> orchestrion.Model:
@@ -60,33 +46,6 @@ def _held_in_a_thread(name: str, release: threading.Event, add: float = 0.0) -> 
     return model(
         name, execute, [tensor("X")], [tensor("Y")], jit=False, parameters={"execution": "thread"}
     )
-
-
-async def _outcome(server: orchestrion.AsyncServer, into: list[Any], *args: Any, **kw: Any) -> None:
-    """Run one request and record its response or its error."""
-    try:
-        into.append(await server.infer(*args, **kw))
-    except Exception as exc:
-        into.append(exc)
-
-
-def _idle(server: orchestrion.AsyncServer, *ensembles: str) -> None:
-    """Every counter is back at rest: steps, slots, pending counts, model queues, busy flags."""
-    registry = server._registry
-    for name in ensembles:
-        for s in server.step_statistics(name):
-            assert (s.queued, s.in_flight) == (0, 0), s
-        for s in registry.resolve(name)._steps:
-            if s.slots is not None:  # the actor holds one slot while it waits to receive
-                assert s.slots.value >= s.capacity - 1, (name, s.plan.index, s.slots.value)
-    for stats in server.model_statistics():
-        assert stats.pending_request_count == 0, stats
-    for name in server.model_names():
-        for version in server.model_versions(name):
-            runner = registry.resolve(name, version)
-            if isinstance(runner, ModelRunner):
-                assert runner._queued == 0, name
-                assert not any(i.busy for i in runner.instances), name
 
 
 class _Boom(Exception):
@@ -125,7 +84,7 @@ async def test_no_step_starts_after_a_sibling_step_failed() -> None:
         return {"Y": X}
 
     models = [
-        _double("split"),
+        double(jit=False, name="split"),
         model("check", check, [tensor("X")], [tensor("Y")], jit=False),
         model("side", side, [tensor("X")], [tensor("Y")], jit=False),
         ensemble(
@@ -149,7 +108,7 @@ async def test_no_step_starts_after_a_sibling_step_failed() -> None:
             with pytest.raises(orchestrion.InferenceError, match="negative"):
                 await server.infer("e", {"IN": -X})
             await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "e")
+        assert_idle(server, "e")
         assert server.model_statistics("side")[0].execution_count == 0
 
 
@@ -159,14 +118,14 @@ async def test_leaving_normally_after_a_cancelled_unload_lets_the_draining_run_f
     """The guide: leaving the block normally lets requests from other tasks finish."""
     gate = trio.Event()
     results: list[Any] = []
-    models = [_gated("slow", gate), _double(), _chain("chain", "slow", "double")]
+    models = [gated("slow", gate), double(jit=False), chain("chain", "slow", "double")]
 
     async def open_gate_once_closing() -> None:
         await trio.testing.wait_all_tasks_blocked()
         gate.set()
 
     async with trio.open_nursery() as outer, orchestrion.open_server(models=models) as server:
-        outer.start_soon(_outcome, server, results, "chain", {"IN": X})
+        outer.start_soon(outcome, server, results, "chain", {"IN": X})
         await trio.testing.wait_all_tasks_blocked()
         with trio.move_on_after(1):  # the caller gives up waiting for the drain
             await server.unload_model("chain")
@@ -181,8 +140,8 @@ async def test_an_inner_ensemble_is_not_unloaded_under_a_draining_outer_run(
     gate = trio.Event()
     results: list[Any] = []
     models = [
-        _gated("slow", gate),
-        _double(),
+        gated("slow", gate),
+        double(jit=False),
         ensemble(
             "inner", [tensor("IN")], [tensor("OUT")], [step("double", {"X": "IN"}, {"Y": "OUT"})]
         ),
@@ -194,7 +153,7 @@ async def test_an_inner_ensemble_is_not_unloaded_under_a_draining_outer_run(
         ),
     ]
     async with orchestrion.open_server(models=models) as server, trio.open_nursery() as nursery:
-        nursery.start_soon(_outcome, server, results, "outer", {"IN": X})
+        nursery.start_soon(outcome, server, results, "outer", {"IN": X})
         await trio.testing.wait_all_tasks_blocked()
         with trio.move_on_after(1):
             await server.unload_model("outer")
@@ -213,7 +172,7 @@ async def test_a_load_cancelled_while_starting_an_ensemble_leaks_no_actor(
     original = ensemble_module.EnsembleRunner.serve
 
     async def run_server() -> None:
-        models = [_double(), _chain("chain", "double", "double")]
+        models = [double(jit=False), chain("chain", "double", "double")]
         async with orchestrion.open_server(models=models) as server:
             with trio.CancelScope() as load_scope:
 
@@ -222,7 +181,7 @@ async def test_a_load_cancelled_while_starting_an_ensemble_leaks_no_actor(
                     await original(self, task_status=task_status)
 
                 monkeypatch.setattr(ensemble_module.EnsembleRunner, "serve", serve)
-                await server.load_model([_double(), _chain("chain", "double", "double")])
+                await server.load_model([double(jit=False), chain("chain", "double", "double")])
             monkeypatch.undo()
             assert load_scope.cancelled_caught
             leaving.set()
@@ -245,17 +204,17 @@ async def test_a_load_during_a_normal_exit_does_not_hang_the_exit() -> None:
     servers: list[orchestrion.AsyncServer] = []
 
     async def run_server() -> None:
-        models = [_gated("slow", gate), _chain("chain", "slow", "slow")]
+        models = [gated("slow", gate), chain("chain", "slow", "slow")]
         async with orchestrion.open_server(models=models) as server:
             servers.append(server)
-            outer.start_soon(_outcome, server, results, "chain", {"IN": X})
+            outer.start_soon(outcome, server, results, "chain", {"IN": X})
             await trio.testing.wait_all_tasks_blocked()
             leaving.set()
         exited.set()
 
     async def load_late() -> None:
         try:
-            await servers[0].load_model(_double())
+            await servers[0].load_model(double(jit=False))
             loads.append("loaded")
         except Exception as exc:
             loads.append(exc)
@@ -282,7 +241,7 @@ async def test_a_server_left_by_an_error_answers_no_more_requests() -> None:
     kept: list[orchestrion.AsyncServer] = []
 
     async def fail_while_serving() -> None:
-        models = [_double(), _chain("chain", "double", "double")]
+        models = [double(jit=False), chain("chain", "double", "double")]
         async with orchestrion.open_server(models=models) as server:
             kept.append(server)
             raise _Boom
@@ -297,7 +256,7 @@ async def test_a_server_left_by_an_error_answers_no_more_requests() -> None:
 
 async def test_is_model_ready_is_false_once_the_server_has_closed() -> None:
     """A health check on a closed server says 'not ready' instead of raising."""
-    async with orchestrion.open_server(models=[_double()]) as server:
+    async with orchestrion.open_server(models=[double(jit=False)]) as server:
         assert server.is_model_ready("double")
     assert server.is_model_ready("double") is False
 
@@ -329,7 +288,7 @@ async def test_unloading_a_threaded_model_answers_its_queued_work_once() -> None
         runner = server._registry.resolve("held")
         async with trio.open_nursery() as nursery:
             for _ in range(3):
-                nursery.start_soon(_outcome, server, results, "held", {"X": X})
+                nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
             assert (runner._queued, runner.instances[0].busy) == (2, True)
             await server.unload_model("held")
@@ -349,17 +308,17 @@ async def test_reloading_a_threaded_model_with_queued_work_answers_each_request_
         old = server._registry.resolve("held")
         async with trio.open_nursery() as nursery:
             for _ in range(3):
-                nursery.start_soon(_outcome, server, results, "held", {"X": X})
+                nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
             await server.load_model(_held_in_a_thread("held", release, add=1.0))
-            nursery.start_soon(_outcome, server, results, "held", {"X": X})
+            nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
             release.set()
         values = sorted(float(r.outputs["Y"][0]) for r in results)
         assert values == [1.0, 1.0, 1.0, 2.0]
         assert old.statistics().execution_count == 3
         assert server.model_statistics("held")[0].execution_count == 1
-        _idle(server)
+        assert_idle(server)
 
 
 async def test_a_cancelled_threaded_execution_keeps_its_instance_busy_until_it_ends() -> None:
@@ -380,7 +339,7 @@ async def test_a_cancelled_threaded_execution_keeps_its_instance_busy_until_it_e
             given_up.cancel()  # the running request's caller goes away
             await trio.testing.wait_all_tasks_blocked()
             assert runner.instances[0].busy
-            nursery.start_soon(_outcome, server, results, "held", {"X": X})
+            nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
             assert runner._queued == 1  # behind the abandoned execution, not beside it
             release.set()
@@ -389,7 +348,7 @@ async def test_a_cancelled_threaded_execution_keeps_its_instance_busy_until_it_e
         stats = server.model_statistics("held")[0]
         assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (1, 1)
         assert stats.execution_count == 2
-        _idle(server)
+        assert_idle(server)
 
 
 async def test_an_instance_switching_between_inline_and_thread_never_overlaps() -> None:
@@ -410,7 +369,7 @@ async def test_an_instance_switching_between_inline_and_thread_never_overlaps() 
                 active[0] -= 1
 
     auto = model("auto", execute, [tensor("X")], [tensor("Y")], jit=False, parameters={})
-    models = [auto, _chain("chain", "auto", "auto", max_inflight_requests=2)]
+    models = [auto, chain("chain", "auto", "auto", max_inflight_requests=2)]
     results: list[Any] = []
     async with orchestrion.open_server(models=models) as server:
         instance = server._registry.resolve("auto").instances[0]
@@ -419,9 +378,9 @@ async def test_an_instance_switching_between_inline_and_thread_never_overlaps() 
             async with trio.open_nursery() as nursery:
                 for i in range(12):
                     if i % 3:
-                        nursery.start_soon(_outcome, server, results, "chain", {"IN": X})
+                        nursery.start_soon(outcome, server, results, "chain", {"IN": X})
                     else:
-                        nursery.start_soon(_outcome, server, results, "auto", {"X": X})
+                        nursery.start_soon(outcome, server, results, "auto", {"X": X})
         await trio.testing.wait_all_tasks_blocked()
         assert overlaps == []
         assert all(not isinstance(r, Exception) for r in results), results
@@ -429,7 +388,7 @@ async def test_an_instance_switching_between_inline_and_thread_never_overlaps() 
         assert sorted(float(r.outputs.get("OUT", r.outputs.get("Y"))[0]) for r in results) == (
             [2.0] * 16 + [4.0] * 32
         )
-        _idle(server, "chain")
+        assert_idle(server, "chain")
 
 
 async def test_new_shapes_never_compile_on_the_event_loop_under_concurrency() -> None:
@@ -462,15 +421,15 @@ async def test_new_shapes_never_compile_on_the_event_loop_under_concurrency() ->
         async with trio.open_nursery() as nursery:
             for length in (3, 5, 3, 7, 5, 3, 7, 7):
                 x = np.zeros(length, np.float32)
-                nursery.start_soon(_outcome, server, results, "chain", {"IN": x})
-                nursery.start_soon(_outcome, server, results, "any_length", {"X": x})
+                nursery.start_soon(outcome, server, results, "chain", {"IN": x})
+                nursery.start_soon(outcome, server, results, "any_length", {"X": x})
         assert all(not isinstance(r, Exception) for r in results), results
         assert {float(v) for r in results for v in next(iter(r.outputs.values()))} == {1.0, 2.0}
         assert traced_on_main
         assert not any(traced_on_main)
         for instance in server._registry.resolve("any_length").instances:
             assert instance.compiled <= {((3,),), ((5,),), ((7,),)}
-        _idle(server, "chain")
+        assert_idle(server, "chain")
 
 
 async def test_the_fast_path_starts_no_step_after_an_inline_step_failed() -> None:
@@ -488,7 +447,7 @@ async def test_the_fast_path_starts_no_step_after_an_inline_step_failed() -> Non
             jit=False,
         ),
         model("check", check, [tensor("X")], [tensor("Y")], jit=False),
-        _double("tail"),
+        double(jit=False, name="tail"),
         ensemble(
             "e",
             [tensor("IN")],
@@ -507,7 +466,7 @@ async def test_the_fast_path_starts_no_step_after_an_inline_step_failed() -> Non
             await server.infer("e", {"IN": X})
         assert server.model_statistics("tail")[0].execution_count == 1
         assert len(recorder.requests) == 3
-        _idle(server, "e")
+        assert_idle(server, "e")
 
 
 def _fault_models() -> list[orchestrion.Model]:
@@ -574,7 +533,7 @@ async def test_timeouts_cancellations_and_errors_leave_every_counter_at_rest(
 
     async def one(scope: trio.CancelScope, target: str, inputs: Any, limit: Any) -> None:
         with scope:
-            await _outcome(server, results, target, inputs, timeout=limit)
+            await outcome(server, results, target, inputs, timeout=limit)
 
     async with orchestrion.open_server(models=_fault_models()) as server:
         async with trio.open_nursery() as nursery:
@@ -592,7 +551,7 @@ async def test_timeouts_cancellations_and_errors_leave_every_counter_at_rest(
         # One instance, first in first out: once this is answered, abandoned threaded work is done.
         await server.infer("threaded", {"X": X})
         await trio.testing.wait_all_tasks_blocked()
-        _idle(server, "outer", "inner")
+        assert_idle(server, "outer", "inner")
         assert all(
             isinstance(r, orchestrion.InferResponse | orchestrion.OrchestrionError) for r in results
         )
@@ -608,8 +567,8 @@ async def test_leaving_by_an_error_answers_every_request_of_a_random_mix(
     models = _fault_models()
     # No worker threads here: the autojump clock would race ahead of them.
     models[3] = model("threaded", lambda X: {"Y": X + 0}, [tensor("X")], [tensor("Y")], jit=False)
-    models.append(_gated("gated", gate, count=1))
-    models.append(_chain("gated_chain", "sleepy", "gated", max_inflight_requests=1))
+    models.append(gated("gated", gate, count=1))
+    models.append(chain("gated_chain", "sleepy", "gated", max_inflight_requests=1))
     results: list[Any] = []
     sent = 12
 
@@ -620,7 +579,7 @@ async def test_leaving_by_an_error_answers_every_request_of_a_random_mix(
                 target, inputs = _random_request(rnd)
                 if rnd.random() < 0.3:
                     target, inputs = "gated_chain", {"IN": inputs.popitem()[1]}
-                outer.start_soon(_outcome, server, results, target, inputs)
+                outer.start_soon(outcome, server, results, target, inputs)
                 if rnd.random() < 0.3:
                     await trio.sleep(rnd.choice([0.0, 0.1, 0.6]))
             await trio.testing.wait_all_tasks_blocked()
@@ -654,7 +613,7 @@ async def test_reloading_composing_models_under_load_loses_no_request(seed: int)
         return model("fast", lambda X: {"Y": X * factor}, [tensor("X")], [tensor("Y")], jit=False)
 
     models = [
-        _gated("slow", gate, count=2),
+        gated("slow", gate, count=2),
         fast(2),
         threaded(0),
         ensemble(
@@ -675,7 +634,7 @@ async def test_reloading_composing_models_under_load_loses_no_request(seed: int)
             for _ in range(10):
                 target = rnd.choice(["e", "e", "threaded", "fast"])
                 inputs = {"IN": X} if target == "e" else {"X": X}
-                nursery.start_soon(_outcome, server, results, target, inputs)
+                nursery.start_soon(outcome, server, results, target, inputs)
             await trio.testing.wait_all_tasks_blocked()
             for _ in range(3):
                 await server.load_model(fast(3) if rnd.random() < 0.5 else threaded(1))
@@ -684,4 +643,4 @@ async def test_reloading_composing_models_under_load_loses_no_request(seed: int)
             gate.set()
         assert len(results) == 10
         assert all(not isinstance(r, Exception) for r in results), results
-        _idle(server, "e")
+        assert_idle(server, "e")
