@@ -21,6 +21,7 @@ import anyio.from_thread
 from ._server import AsyncServer, open_server
 from .actors import Model
 from .protocols import (
+    CacheStatistics,
     InferResponse,
     ModelConfig,
     ModelStatistics,
@@ -42,9 +43,16 @@ class Server:
         model_repository: str | os.PathLike[str] | None = None,
         models: Sequence[Model] = (),
         *,
+        cache_config: str | Sequence[str] | None = None,
         observers: Sequence[Observer] = (),
     ) -> None:
-        self._open = functools.partial(open_server, model_repository, models, observers=observers)
+        self._open = functools.partial(
+            open_server,
+            model_repository,
+            models,
+            cache_config=cache_config,
+            observers=observers,
+        )
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._server_cm: AbstractContextManager[AsyncServer] | None = None
@@ -135,6 +143,11 @@ class Server:
     ) -> list[ModelStatistics]:
         """See `AsyncServer.model_statistics`."""
         result: list[ModelStatistics] = self._sync("model_statistics", name, version)
+        return result
+
+    def cache_statistics(self) -> CacheStatistics | None:
+        """See `AsyncServer.cache_statistics`."""
+        result: CacheStatistics | None = self._sync("cache_statistics")
         return result
 
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:

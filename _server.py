@@ -15,7 +15,9 @@ import sniffio
 import trio
 
 from .actors import Model, ModelRegistry
+from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
+    CacheStatistics,
     InferenceTimeoutError,
     InferResponse,
     ModelConfig,
@@ -25,6 +27,7 @@ from .protocols import (
     ParameterValue,
     StepStatistics,
     new_request,
+    parse_cache_config,
 )
 
 _log = logging.getLogger("orchestrion")
@@ -32,6 +35,7 @@ _log = logging.getLogger("orchestrion")
 _HOOKS = (
     "request_started",
     "request_finished",
+    "cache_looked_up",
     "execution_finished",
     "step_started",
     "step_finished",
@@ -142,6 +146,11 @@ class AsyncServer:
         """Triton-style statistics: every model, every version of ``name``, or one version."""
         return self._registry.statistics(name, version)
 
+    def cache_statistics(self) -> CacheStatistics | None:
+        """The response cache's counters and usage (None when the server has no cache)."""
+        cache = self._registry.cache
+        return cache.statistics() if cache is not None else None
+
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
         """Live queue depth, in-flight count and blocked time of each step of an ensemble."""
         return self._registry.step_statistics(ensemble)
@@ -197,6 +206,7 @@ async def open_server(
     model_repository: str | os.PathLike[str] | None = None,
     models: Sequence[Model] = (),
     *,
+    cache_config: str | Sequence[str] | None = None,
     observers: Sequence[Observer] = (),
 ) -> AsyncIterator[AsyncServer]:
     """Open an orchestrion server in a nursery of its own; models are ready on entry.
@@ -204,11 +214,16 @@ async def open_server(
     Args:
         model_repository: a Triton-layout model repository folder, loaded whole.
         models: models defined in Python (`Model`), loaded next to the repository's.
+        cache_config: the response cache, as Triton's ``--cache-config`` values: one string
+            or several (``"local,size=1048576"``, or ``["redis,host=localhost",
+            "redis,port=6379"]``). Models cache only with ``response_cache { enable: true }``.
         observers: receivers of runtime events (metrics, traces, tests).
 
     Raises:
-        ConfigError: the repository or a config is invalid (every problem listed).
+        ConfigError: the repository, a config or the cache settings are invalid.
         ModelLoadError: a model's code failed to import, initialise or compile.
+        CacheUnavailableError: the cache's backend (Redis) cannot be reached or refuses
+            the credentials.
     """
     try:
         library = sniffio.current_async_library()
@@ -219,6 +234,27 @@ async def open_server(
             f"open_server runs on trio, but was called from {library}; from asyncio (or "
             "plain code) use the blocking orchestrion.Server, see docs/guide.md"
         )
+    settings = parse_cache_config(cache_config)
+    if settings is None:
+        async with _open_models(model_repository, models, observers, None) as server:
+            yield server
+        return
+    cache = await open_cache(settings)
+    # The cache outlives the models: it is closed after the last request has finished.
+    async with (
+        open_cache_actor(cache, settings.name) as actor,
+        _open_models(model_repository, models, observers, actor) as server,
+    ):
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def _open_models(
+    model_repository: str | os.PathLike[str] | None,
+    models: Sequence[Model],
+    observers: Sequence[Observer],
+    cache: CacheActor | None,
+) -> AsyncIterator[AsyncServer]:
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
     error: BaseException | None = None
@@ -227,6 +263,7 @@ async def open_server(
             nursery=nursery,
             observer=_observer(observers),
             repository=Path(model_repository) if model_repository is not None else None,
+            cache=cache,
         )
         try:
             found = await registry.read_repository() if model_repository is not None else []

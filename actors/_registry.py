@@ -7,6 +7,12 @@ model that is not there), prepares and compiles new runners concurrently, and on
 them visible; a failed load changes nothing. `infer` resolves the model and version, checks the
 inputs against the config, and keeps Triton's per-model statistics; ensembles call back into
 it for their steps, so composing models are counted exactly like direct requests.
+
+A model (or ensemble) with ``response_cache`` enabled on a server with a cache goes through
+the cache actor instead: a hit answers without running anything (for an ensemble, without
+running any step); a miss runs the model for *all* its outputs, so that the stored response
+answers any later request whatever outputs it asks for, and hands the caller the ones it
+asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from ..caches import CacheActor, Flight
 from ..protocols import (
     ConfigError,
     InferenceError,
@@ -35,6 +42,8 @@ from ..protocols import (
     StepStatistics,
     TensorChecker,
     Tensors,
+    cache_key,
+    shared_outputs,
     validate_repository,
 )
 from ._definition import Model, check_model
@@ -77,6 +86,11 @@ def _check_requested(request: InferRequest, response: InferResponse) -> None:
         )
 
 
+def _caches(config: ModelConfig) -> bool:
+    cache = config.response_cache
+    return cache is not None and cache.enable
+
+
 def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """Turn a loader nursery's exception group into the one error a user should see."""
     leaves: list[BaseException] = []
@@ -106,6 +120,8 @@ class ModelRegistry:
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     repository: Path | None = None
+    cache: CacheActor | None = None
+    """The server's response cache; None when the server has none."""
     _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
@@ -202,13 +218,18 @@ class ModelRegistry:
         return time.perf_counter_ns()
 
     def _finished(
-        self, runner: Runner, request: InferRequest, start: int, error: BaseException | None
+        self,
+        runner: Runner,
+        request: InferRequest,
+        start: int,
+        error: BaseException | None,
+        cache_hit: bool = False,
     ) -> None:
         duration = time.perf_counter_ns() - start
         stats = runner.stats
         stats.pending -= 1
         batch = batch_size(runner.config.max_batch_size, request.inputs)
-        stats.request_finished(error is None, duration, batch)
+        stats.request_finished(error is None, duration, batch, cache_hit)
         if self.observer is not None:
             self.observer.request_finished(
                 runner.config.name, runner.version, request, error, duration
@@ -233,6 +254,8 @@ class ModelRegistry:
                 requested output was left out.
         """
         runner, request = self._admit(request, from_ensemble)
+        if self.cache is not None and _caches(runner.config):
+            return await self._infer_cached(self.cache, runner, request, strict_outputs)
         # Short synchronous work on an idle instance runs here, between a cancellation check
         # and a checkpoint, instead of making a trip through the model's queue.
         now = runner.ready_now(request.inputs)
@@ -252,6 +275,65 @@ class ModelRegistry:
         self._finished(runner, request, start, None)
         return response
 
+    async def _infer_cached(
+        self, cache: CacheActor, runner: Runner, request: InferRequest, strict_outputs: bool
+    ) -> InferResponse:
+        start = self._started(runner, request)
+        hit = False
+        try:
+            flight = await cache.begin(
+                cache_key(runner.config.name, runner.version, request.inputs)
+            )
+            try:
+                hit = flight.entry is not None
+                runner.stats.cache_looked_up(hit, flight.lookup_ns)
+                if self.observer is not None:
+                    self.observer.cache_looked_up(
+                        runner.config.name, runner.version, request, hit, flight.lookup_ns
+                    )
+                if flight.entry is not None:
+                    response = InferResponse(
+                        model_name=runner.config.name,
+                        model_version=runner.version,
+                        request_id=request.request_id,
+                        outputs=shared_outputs(flight.entry, request.requested_outputs),
+                        parameters=flight.entry.parameters,
+                    )
+                else:
+                    response = await self._run_for_cache(runner, request, flight)
+            finally:
+                flight.release()
+            if strict_outputs:
+                _check_requested(request, response)
+        except BaseException as exc:
+            self._finished(runner, request, start, exc)
+            raise
+        self._finished(runner, request, start, None, cache_hit=hit)
+        return response
+
+    @staticmethod
+    async def _run_for_cache(
+        runner: Runner, request: InferRequest, flight: Flight
+    ) -> InferResponse:
+        """Run a cache miss for every output (the entry must answer any later request)."""
+        wanted = request.requested_outputs
+        everything = request
+        if wanted is not None:
+            everything = request.derive(
+                model_name=request.model_name,
+                model_version=request.model_version,
+                inputs=request.inputs,
+                requested_outputs=None,
+            )
+        response = await runner.infer(everything)
+        flight.store(response)
+        runner.stats.cache_miss_ns += flight.insert_ns  # Triton: a miss costs lookup + insert
+        if wanted is None:
+            return response
+        return attrs.evolve(
+            response, outputs={k: v for k, v in response.outputs.items() if k in wanted}
+        )
+
     def ready_now(self, request: InferRequest) -> bool:
         """Whether `infer_now` would run ``request`` without waiting."""
         versions = self._runners.get(request.model_name)
@@ -259,7 +341,9 @@ class ModelRegistry:
             return False
         version = request.model_version
         runner = versions.get(version) if version > 0 else versions[max(versions)]
-        return runner is not None and runner.ready_now(request.inputs)
+        if runner is None or (self.cache is not None and _caches(runner.config)):
+            return False  # a cached model goes through the cache actor
+        return runner.ready_now(request.inputs)
 
     def infer_now(self, request: InferRequest) -> InferResponse:
         """`infer` of an ensemble step whose model `ready_now` said can run at once, in the

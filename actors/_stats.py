@@ -28,13 +28,20 @@ class StatsRecorder:
     execution_count: int = 0
     last_inference_ms: int = 0
     pending: int = 0
+    cache_hit_count: int = 0
+    cache_hit_ns: int = 0
+    cache_miss_count: int = 0
+    cache_miss_ns: int = 0
 
-    def request_finished(self, ok: bool, duration_ns: int, batch_size: int) -> None:
-        """Count one answered request."""
+    def request_finished(
+        self, ok: bool, duration_ns: int, batch_size: int, cache_hit: bool = False
+    ) -> None:
+        """Count one answered request (a cache hit is a success, not an inference)."""
         if ok:
             self.success_count += 1
             self.success_ns += duration_ns
-            self.inference_count += batch_size
+            if not cache_hit:
+                self.inference_count += batch_size
         else:
             self.fail_count += 1
             self.fail_ns += duration_ns
@@ -50,6 +57,15 @@ class StatsRecorder:
         self.input_ns += input_ns
         self.infer_ns += infer_ns
         self.output_ns += output_ns
+
+    def cache_looked_up(self, hit: bool, duration_ns: int) -> None:
+        """Count one cache lookup: a hit's lookup time, or a miss's lookup + insert time."""
+        if hit:
+            self.cache_hit_count += 1
+            self.cache_hit_ns += duration_ns
+        else:
+            self.cache_miss_count += 1
+            self.cache_miss_ns += duration_ns
 
     def snapshot(self) -> ModelStatistics:
         """A frozen copy of the counters."""
@@ -68,5 +84,7 @@ class StatsRecorder:
                 compute_input=DurationStatistics(count=n, ns=self.input_ns),
                 compute_infer=DurationStatistics(count=n, ns=self.infer_ns),
                 compute_output=DurationStatistics(count=n, ns=self.output_ns),
+                cache_hit=DurationStatistics(count=self.cache_hit_count, ns=self.cache_hit_ns),
+                cache_miss=DurationStatistics(count=self.cache_miss_count, ns=self.cache_miss_ns),
             ),
         )

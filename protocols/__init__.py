@@ -4,6 +4,20 @@ Nothing here does I/O or imports trio, so everything here can be tested synchron
 reused by any front end.
 """
 
+from ._cache_config import CacheConfig as CacheConfig
+from ._cache_config import check_option_names as check_option_names
+from ._cache_config import option_bool as option_bool
+from ._cache_config import option_int as option_int
+from ._cache_config import parse_cache_config as parse_cache_config
+from ._cache_key import CacheEntry as CacheEntry
+from ._cache_key import CacheKey as CacheKey
+from ._cache_key import TensorSignature as TensorSignature
+from ._cache_key import cache_key as cache_key
+from ._cache_key import decode_entry as decode_entry
+from ._cache_key import encode_entry as encode_entry
+from ._cache_key import entry_cost as entry_cost
+from ._cache_key import frozen_outputs as frozen_outputs
+from ._cache_key import shared_outputs as shared_outputs
 from ._config import DynamicBatching as DynamicBatching
 from ._config import EnsembleScheduling as EnsembleScheduling
 from ._config import EnsembleStep as EnsembleStep
@@ -27,6 +41,7 @@ from ._dtypes import DataType as DataType
 from ._ensemble import EnsembleGraph as EnsembleGraph
 from ._ensemble import StepPlan as StepPlan
 from ._ensemble import validate_ensemble as validate_ensemble
+from ._errors import CacheUnavailableError as CacheUnavailableError
 from ._errors import ConfigError as ConfigError
 from ._errors import InferenceError as InferenceError
 from ._errors import InferenceTimeoutError as InferenceTimeoutError
@@ -41,6 +56,7 @@ from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
 from ._observer import Observer as Observer
 from ._requests import new_request as new_request
+from ._statistics import CacheStatistics as CacheStatistics
 from ._statistics import DurationStatistics as DurationStatistics
 from ._statistics import InferStatistics as InferStatistics
 from ._statistics import ModelStatistics as ModelStatistics

@@ -73,3 +73,11 @@ class ServerClosedError(OrchestrionError, RuntimeError):
 
     The caller's fault for using a server after leaving its ``async with`` block.
     """
+
+
+class CacheUnavailableError(OrchestrionError, ConnectionError):
+    """The response cache's backend cannot be used (Redis unreachable, credentials refused).
+
+    The operator's fault or the network's. At start-up it stops the server; at run time the
+    cache actor catches it, logs it once per outage and serves requests uncached.
+    """

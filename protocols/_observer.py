@@ -26,6 +26,17 @@ class Observer:
     ) -> None:
         """A request ended: with ``error`` None on success."""
 
+    def cache_looked_up(
+        self,
+        model_name: str,
+        version: int,
+        request: InferRequest,
+        hit: bool,
+        duration_ns: int,
+    ) -> None:
+        """The response cache answered a request for a model with caching enabled
+        (``hit``: the model did not run; ``duration_ns``: the lookup's time)."""
+
     def execution_finished(
         self,
         model_name: str,

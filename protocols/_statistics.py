@@ -62,3 +62,43 @@ class StepStatistics:
     """The step's limit (0 = unbounded)."""
     blocked_ns: int
     """Total nanoseconds producers spent waiting for room in this step's channel."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheStatistics:
+    """The server's response cache as a whole (Triton's cache-wide metrics, and more)."""
+
+    name: str
+    """The cache's name in ``--cache-config`` (``local``, ``redis``, a plugin's)."""
+    lookups: int = 0
+    """Lookups answered (hits + misses)."""
+    hits: int = 0
+    misses: int = 0
+    """Lookups that found nothing usable (errors and skipped lookups while down included)."""
+    coalesced: int = 0
+    """Requests that waited for an identical request's result instead of running the model."""
+    insertions: int = 0
+    insert_failures: int = 0
+    """Insertions lost: the backend failed, or the insert queue was full."""
+    errors: int = 0
+    """Backend operations that failed (each failed batch counts once)."""
+    lookup_ns: int = 0
+    """Total time spent in lookups, queueing included."""
+    insert_ns: int = 0
+    """Total time the backend spent storing entries."""
+    queue_depth: int = 0
+    """Operations waiting for the cache actor right now."""
+    available: bool = True
+    """False while the backend is failing (requests run uncached)."""
+    entries: int | None = None
+    """Entries stored (None when the backend cannot tell cheaply)."""
+    evictions: int | None = None
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+
+    @property
+    def utilization(self) -> float | None:
+        """Fraction of the capacity in use (None for unbounded or unknown capacities)."""
+        if self.used_bytes is None or not self.capacity_bytes:
+            return None
+        return self.used_bytes / self.capacity_bytes

@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from orchestrion import AsyncServer, Model
@@ -18,6 +19,7 @@ from orchestrion.protocols import (
     InstanceKind,
     ModelConfig,
     Observer,
+    ResponseCache,
     TensorConfig,
 )
 
@@ -168,3 +170,9 @@ def assert_idle(server: AsyncServer, *ensembles: str) -> None:
             if isinstance(runner, ModelRunner):
                 assert runner._queued == 0, name
                 assert not any(i.busy for i in runner.instances), name
+
+
+def cached(definition: Model, enable: bool = True) -> Model:
+    """``definition`` with ``response_cache { enable: ... }``."""
+    config = attrs.evolve(definition.config, response_cache=ResponseCache(enable=enable))
+    return attrs.evolve(definition, config=config)

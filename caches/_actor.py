@@ -1,0 +1,388 @@
+"""The cache actor: the one owner of the server's cache, between the models and the backend.
+
+How this works. A request for a model with ``response_cache`` enabled asks `CacheActor.begin`
+for its key and gets a `Flight`:
+
+- a *hit* (``flight.entry`` set): the stored response, checked against the key's signature;
+- a *shared* result: an identical request was already running the model, and this one waited
+  for it (single-flight) instead of running the model again;
+- a *miss*: the caller runs the model, then calls ``flight.store(response)``, and always
+  ``flight.release()`` (a ``finally``), which wakes the identical requests waiting on it. A
+  failed or cancelled run stores nothing; its waiters then run the model themselves, so a
+  failure is never handed out as if it were a result.
+
+An *immediate* cache (``local``) is called inline in the requesting task. Any other cache
+is driven by ``concurrency`` worker tasks that take operations from one channel and hand
+them to the cache in batches (everything queued when a worker comes for work), so a Redis
+backend makes one thread hop and one pipelined round trip per batch. Inserts do not make the
+request wait: they are queued and the workers write them (dropped, and counted, if the queue
+is full). When the backend fails, the actor answers "miss" and drops inserts for the
+cache's ``retry_interval``, logs one error per outage, and logs again when it recovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+
+from ..protocols import (
+    CacheEntry,
+    CacheKey,
+    CacheStatistics,
+    CacheUnavailableError,
+    InferResponse,
+    frozen_outputs,
+)
+from ._protocol import ResponseCache
+
+_log = logging.getLogger("orchestrion.caches")
+
+QUEUE_SIZE = 1024
+"""Operations that may wait for the workers; lookups beyond it wait for room."""
+MAX_BATCH = 256
+"""Operations one worker hands to the cache at once."""
+
+
+@attrs.define(eq=False, slots=True)
+class _Lookup:
+    key: CacheKey
+    done: trio.Event = attrs.field(factory=trio.Event)
+    entry: CacheEntry | None = None
+
+
+@attrs.define(eq=False, slots=True)
+class _Insert:
+    entry: CacheEntry
+
+
+@attrs.define(eq=False, slots=True)
+class Flight:
+    """One request's passage through the cache. Get one from `CacheActor.begin`."""
+
+    _actor: CacheActor
+    key: CacheKey
+    entry: CacheEntry | None = None
+    """The stored (or shared) response; None: run the model, then `store`."""
+    shared: bool = False
+    """The entry came from an identical request that ran at the same time."""
+    lookup_ns: int = 0
+    """Time spent finding out (waiting for an identical request included)."""
+    insert_ns: int = 0
+    _done: trio.Event | None = None
+    """Set when this flight leads: identical requests wait on it."""
+
+    def store(self, response: InferResponse) -> None:
+        """Cache ``response`` (a successful one) and hand it to the waiting requests."""
+        entry = CacheEntry(
+            key=self.key, outputs=frozen_outputs(response.outputs), parameters=response.parameters
+        )
+        start = time.perf_counter_ns()
+        self.entry = entry
+        self._actor._insert(entry)
+        self.insert_ns = time.perf_counter_ns() - start
+
+    def release(self) -> None:
+        """End the flight: wake identical requests (they share `entry`, or run themselves)."""
+        done = self._done
+        if done is not None:
+            self._done = None
+            self._actor._landed(self)
+            done.set()
+
+
+@attrs.define(eq=False)
+class CacheActor:
+    """Owns a `ResponseCache`: lookups, inserts, single-flight, batching, outage handling."""
+
+    cache: ResponseCache
+    name: str
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    insertions: int = 0
+    insert_failures: int = 0
+    errors: int = 0
+    lookup_ns: int = 0
+    insert_ns: int = 0
+    _available: bool = True
+    _retry_at: float = 0.0
+    _flights: dict[bytes, Flight] = attrs.field(factory=dict)
+    _send: trio.MemorySendChannel[_Lookup | _Insert] | None = None
+    _closed: bool = False
+    _warned_mismatch: bool = False
+
+    # -- the request side ------------------------------------------------------------------
+
+    async def begin(self, key: CacheKey) -> Flight:
+        """Look ``key`` up, or join an identical request that is running the model.
+
+        Returns:
+            a flight: ``entry`` set on a hit (or a shared result); otherwise the caller
+            runs the model, calls `Flight.store` on success and `Flight.release` always.
+        """
+        start = time.perf_counter_ns()
+        leader = self._flights.get(key.digest)
+        if leader is not None and leader.key.signature == key.signature:
+            done = leader._done
+            assert done is not None
+            await done.wait()
+            flight = Flight(self, key, lookup_ns=time.perf_counter_ns() - start)
+            if leader.entry is not None:  # never a failure: a failed leader stores nothing
+                flight.entry = leader.entry
+                flight.shared = True
+                self.coalesced += 1
+            return flight  # the leader failed: run the model (its result is stored)
+        flight = Flight(self, key)
+        if self.cache.immediate:
+            flight.entry = self._lookup_now(key)
+        else:
+            # Lead before the first wait, so identical requests arriving meanwhile join.
+            flight._done = trio.Event()
+            self._flights[key.digest] = flight
+            try:
+                flight.entry = await self._lookup_queued(key)
+            except BaseException:
+                flight.release()
+                raise
+        if flight.entry is None and flight._done is None:
+            flight._done = trio.Event()
+            self._flights[key.digest] = flight
+        flight.lookup_ns = time.perf_counter_ns() - start
+        self.lookup_ns += flight.lookup_ns
+        return flight
+
+    def _landed(self, flight: Flight) -> None:
+        if self._flights.get(flight.key.digest) is flight:
+            del self._flights[flight.key.digest]
+
+    def _accept(self, key: CacheKey, entry: CacheEntry | None) -> CacheEntry | None:
+        self.lookups += 1
+        if entry is not None and not entry.matches(key):
+            if not self._warned_mismatch:
+                self._warned_mismatch = True
+                _log.warning(
+                    "%s cache: an entry stored under the key of a request for '%s' belongs "
+                    "to another request (a digest collision, or another writer); treated as "
+                    "a miss",
+                    self.name,
+                    key.model_name,
+                )
+            entry = None
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return entry
+
+    def _lookup_now(self, key: CacheKey) -> CacheEntry | None:
+        if not self._usable():
+            return self._accept(key, None)
+        try:
+            entry = self.cache.lookup_nowait(key)
+        except Exception as exc:
+            self._failed(exc)
+            entry = None
+        else:
+            self._recovered()
+        return self._accept(key, entry)
+
+    async def _lookup_queued(self, key: CacheKey) -> CacheEntry | None:
+        if self._send is None or not self._usable():
+            return self._accept(key, None)
+        op = _Lookup(key)
+        try:
+            await self._send.send(op)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return self._accept(key, None)  # closing: run uncached
+        await op.done.wait()
+        return self._accept(key, op.entry)
+
+    def _insert(self, entry: CacheEntry) -> None:
+        if not self._usable():
+            self.insert_failures += 1
+            return
+        if self.cache.immediate:
+            start = time.perf_counter_ns()
+            try:
+                self.cache.insert_nowait(entry)
+            except Exception as exc:
+                self._failed(exc)
+                self.insert_failures += 1
+            else:
+                self._recovered()
+                self.insertions += 1
+            self.insert_ns += time.perf_counter_ns() - start
+            return
+        try:
+            assert self._send is not None
+            self._send.send_nowait(_Insert(entry))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.insert_failures += 1
+
+    # -- outages ---------------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        return self._available or trio.current_time() >= self._retry_at
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        self._retry_at = trio.current_time() + self.cache.retry_interval
+        if not self._available:
+            _log.debug("%s cache still unavailable: %s", self.name, exc)
+            return
+        self._available = False
+        _log.error(
+            "%s cache unavailable, serving requests uncached and retrying every %.1f s: %s",
+            self.name,
+            self.cache.retry_interval,
+            exc,
+            exc_info=not isinstance(exc, CacheUnavailableError),
+        )
+
+    def _recovered(self) -> None:
+        if not self._available:
+            self._available = True
+            _log.warning("%s cache is available again; caching resumed", self.name)
+
+    # -- the workers -----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers (none for an immediate cache) until `close`."""
+        if self.cache.immediate:
+            task_status.started()
+            return
+        send, receive = trio.open_memory_channel[_Lookup | _Insert](QUEUE_SIZE)
+        self._send = send
+        try:
+            async with receive, trio.open_nursery() as nursery:
+                for _ in range(max(1, self.cache.concurrency)):
+                    nursery.start_soon(self._worker, receive.clone())
+                task_status.started()
+        finally:
+            self._closed = True
+            self._send = None
+            with contextlib.suppress(trio.ClosedResourceError):
+                while True:  # answer what no worker will: those requests run uncached
+                    try:
+                        op = receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    if isinstance(op, _Lookup):
+                        op.done.set()
+
+    async def _worker(self, receive: trio.MemoryReceiveChannel[_Lookup | _Insert]) -> None:
+        async with receive:
+            async for op in receive:
+                batch = [op]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                try:
+                    await self._run_batch(batch)
+                finally:  # cancelled or not, nobody may wait for this batch forever
+                    for item in batch:
+                        if isinstance(item, _Lookup):
+                            item.done.set()
+
+    async def _run_batch(self, batch: list[_Lookup | _Insert]) -> None:
+        lookups = [op for op in batch if isinstance(op, _Lookup)]
+        inserts = [op.entry for op in batch if isinstance(op, _Insert)]
+        if lookups and self._usable():
+            try:
+                found = await self.cache.lookup([op.key for op in lookups])
+                if len(found) != len(lookups):
+                    raise RuntimeError(
+                        f"{type(self.cache).__name__}.lookup returned {len(found)} results "
+                        f"for {len(lookups)} keys"
+                    )
+            except Exception as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                for op, entry in zip(lookups, found, strict=True):
+                    op.entry = entry
+        for op in lookups:
+            op.done.set()
+        if not inserts:
+            return
+        if not self._usable():
+            self.insert_failures += len(inserts)
+            return
+        start = time.perf_counter_ns()
+        try:
+            await self.cache.insert(inserts)
+        except Exception as exc:
+            self._failed(exc)
+            self.insert_failures += len(inserts)
+        else:
+            self._recovered()
+            self.insertions += len(inserts)
+        self.insert_ns += time.perf_counter_ns() - start
+
+    def close(self) -> None:
+        """Accept no more operations; the workers finish what is queued, then end."""
+        if self._send is not None:
+            self._send.close()
+
+    # -- statistics ------------------------------------------------------------------------
+
+    def statistics(self) -> CacheStatistics:
+        """A snapshot of the actor's counters and the cache's usage."""
+        usage = self.cache.usage()
+        depth = 0
+        if self._send is not None:
+            depth = self._send.statistics().current_buffer_used
+        return CacheStatistics(
+            name=self.name,
+            lookups=self.lookups,
+            hits=self.hits,
+            misses=self.misses,
+            coalesced=self.coalesced,
+            insertions=self.insertions,
+            insert_failures=self.insert_failures,
+            errors=self.errors,
+            lookup_ns=self.lookup_ns,
+            insert_ns=self.insert_ns,
+            queue_depth=depth,
+            available=self._available,
+            entries=usage.entries,
+            evictions=usage.evictions,
+            used_bytes=usage.used_bytes,
+            capacity_bytes=usage.capacity_bytes,
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_cache_actor(cache: ResponseCache, name: str) -> AsyncIterator[CacheActor]:
+    """Run a `CacheActor` that owns ``cache``; ``cache.aclose()`` runs on the way out.
+
+    Leaving normally lets the workers write the inserts still queued. Errors of the body
+    leave as themselves (not wrapped in the workers' nursery's exception group).
+    """
+    actor = CacheActor(cache, name)
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            try:
+                yield actor
+            except BaseException as exc:
+                error = exc
+                nursery.cancel_scope.cancel()
+            else:
+                actor.close()
+    finally:
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + 10  # a stuck backend cannot hold us forever
+            await cache.aclose()
+    if error is not None:
+        raise error

@@ -1,0 +1,320 @@
+"""Response-cache keys and entries, and the data-only format entries are stored in.
+
+How this works: `cache_key` hashes, with xxh3-128, the model name, its resolved version and
+each input's name, data type, shape and bytes, inputs in name order (so the order a client
+sends them in does not matter). Array memory is hashed in place, never copied (only a
+non-contiguous array is made contiguous first). Next to the 16-byte digest the key keeps the
+request's *signature* (model, version, and each input's name, type, shape and byte length);
+an entry stores the signature of the request that produced it and a hit is accepted only when
+the two match, so even a hash collision between requests of different shapes cannot return a
+wrong answer.
+
+`encode_entry`/`decode_entry` are the format of caches that store bytes (Redis): a JSON
+header that describes the tensors, then their raw bytes. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeAlias
+
+import attrs
+import numpy as np
+import xxhash
+
+from ._dtypes import DataType
+from ._messages import ParameterValue, Tensors
+
+TensorSignature: TypeAlias = tuple[str, str, tuple[int, ...], int]
+"""One input as a cache key sees it: (name, protocol data type, shape, byte length)."""
+
+_MAGIC = b"ORCHCE1\n"  # orchestrion cache entry, format 1
+_LENGTH = struct.Struct("<I")
+_HEADER = struct.Struct("<q")
+
+
+@attrs.frozen(kw_only=True)
+class CacheKey:
+    """What identifies a response in the cache: a 128-bit digest plus the request's
+    signature, checked on every hit."""
+
+    digest: bytes
+    """The 16-byte xxh3-128 digest of the full key material."""
+    model_name: str
+    model_version: int
+    signature: tuple[TensorSignature, ...]
+    """The inputs, in name order."""
+
+    @property
+    def hex(self) -> str:
+        """The digest as 32 hex digits (how byte-string stores name the entry)."""
+        return self.digest.hex()
+
+
+@attrs.frozen(kw_only=True)
+class CacheEntry:
+    """A stored response: its key and the outputs and parameters of the response.
+
+    Output arrays are read-only; an entry is shared by every request that hits it.
+    """
+
+    key: CacheKey
+    outputs: Tensors = attrs.field(eq=False, repr=False)
+    parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (BYTES tensors: the bytes of their elements)."""
+        return sum(_data_nbytes(a) for a in self.outputs.values())
+
+    def matches(self, key: CacheKey) -> bool:
+        """Whether this entry answers a request with ``key`` (digest and signature)."""
+        mine = self.key
+        return (
+            mine.digest == key.digest
+            and mine.signature == key.signature
+            and mine.model_name == key.model_name
+            and mine.model_version == key.model_version
+        )
+
+
+def _data_nbytes(array: np.ndarray[Any, Any]) -> int:
+    if array.dtype.kind == "O":
+        return sum(len(_element(e)) for e in array.flat)
+    return int(array.nbytes)
+
+
+def _element(item: object) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode()
+    if isinstance(item, bytearray | memoryview):
+        return bytes(item)
+    raise TypeError(f"BYTES elements must be bytes or str, got {type(item).__name__}")
+
+
+def _type_name(array: np.ndarray[Any, Any]) -> str:
+    return DataType.from_numpy(array.dtype).value
+
+
+def _raw(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The array's memory as flat bytes: a view when it is contiguous (no copy)."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8)
+
+
+def _serialized_bytes(array: np.ndarray[Any, Any]) -> Iterator[bytes]:
+    """A BYTES tensor as Triton's wire format: each element as a 4-byte length + bytes."""
+    for item in array.flat:
+        data = _element(item)
+        yield _LENGTH.pack(len(data))
+        yield data
+
+
+def cache_key(model_name: str, model_version: int, inputs: Tensors) -> CacheKey:
+    """The cache key of a request for ``model_name`` at its resolved ``model_version``.
+
+    Args:
+        model_name: the model (or ensemble) that answers the request.
+        model_version: the version that answers it (never -1).
+        inputs: the request's checked inputs (numpy arrays, BYTES as object arrays).
+
+    Returns:
+        the key; equal inputs give equal keys whatever their order in ``inputs``.
+    """
+    hasher = xxhash.xxh3_128()
+    name = model_name.encode()
+    hasher.update(_HEADER.pack(len(name)))
+    hasher.update(name)
+    hasher.update(_HEADER.pack(model_version))
+    signature: list[TensorSignature] = []
+    for input_name in sorted(inputs):
+        array = inputs[input_name]
+        type_name = _type_name(array)
+        encoded = input_name.encode()
+        if array.dtype.kind == "O":
+            parts = list(_serialized_bytes(array))
+            nbytes = sum(len(p) for p in parts)
+        else:
+            parts = [_raw(array)]  # type: ignore[list-item]
+            nbytes = int(array.nbytes)
+        shape = tuple(int(d) for d in array.shape)
+        # Every variable-length field is length-prefixed, so no two inputs share material.
+        hasher.update(
+            struct.pack(
+                f"<q{len(encoded)}s8sq{len(shape)}qq",
+                len(encoded),
+                encoded,
+                type_name.encode(),
+                len(shape),
+                *shape,
+                nbytes,
+            )
+        )
+        for part in parts:
+            hasher.update(part)
+        signature.append((input_name, type_name, shape, nbytes))
+    return CacheKey(
+        digest=hasher.digest(),
+        model_name=model_name,
+        model_version=model_version,
+        signature=tuple(signature),
+    )
+
+
+def frozen_outputs(outputs: Tensors) -> dict[str, np.ndarray[Any, Any]]:
+    """Read-only copies of ``outputs`` for an entry (the caller keeps its own arrays)."""
+    frozen: dict[str, np.ndarray[Any, Any]] = {}
+    for name, array in outputs.items():
+        copy = np.array(array, copy=True, order="C")
+        copy.flags.writeable = False
+        frozen[name] = copy
+    return frozen
+
+
+def shared_outputs(entry: CacheEntry, wanted: frozenset[str] | None) -> dict[str, Any]:
+    """The outputs of a hit: read-only views of the entry's arrays (only ``wanted`` ones).
+
+    Views of a read-only base cannot be made writable, so no caller can change an entry.
+    """
+    return {
+        name: array.view()
+        for name, array in entry.outputs.items()
+        if wanted is None or name in wanted
+    }
+
+
+def entry_cost(entry: CacheEntry, key_size: int = 0) -> int:
+    """Bytes an in-memory cache really spends on ``entry``: tensor data plus the Python
+    objects around it (array headers, names, the key, the signature, the entry itself)."""
+    cost = sys.getsizeof(entry) + sys.getsizeof(entry.key) + key_size
+    cost += sys.getsizeof(entry.key.digest) + sys.getsizeof(entry.key.model_name)
+    cost += sys.getsizeof(entry.key.signature) + sys.getsizeof(entry.outputs)
+    for name, shape_name, shape, _ in entry.key.signature:
+        cost += sys.getsizeof(name) + sys.getsizeof(shape_name) + sys.getsizeof(shape) + 100
+    for name, array in entry.outputs.items():
+        cost += sys.getsizeof(name) + sys.getsizeof(array) + _data_nbytes(array)
+        if array.dtype.kind == "O":
+            cost += sum(sys.getsizeof(e) - len(_element(e)) for e in array.flat)
+    for name, value in entry.parameters.items():
+        cost += sys.getsizeof(name) + sys.getsizeof(value)
+    return cost
+
+
+def encode_entry(entry: CacheEntry) -> bytes:
+    """``entry`` in orchestrion's data-only cache format (JSON header + raw tensor bytes)."""
+    header_outputs = []
+    payload: list[Any] = []
+    for name, array in entry.outputs.items():
+        if array.dtype.kind == "O":
+            parts = list(_serialized_bytes(array))
+            nbytes = sum(len(p) for p in parts)
+            payload.extend(parts)
+        else:
+            payload.append(_raw(array))
+            nbytes = int(array.nbytes)
+        header_outputs.append([name, _type_name(array), list(array.shape), nbytes])
+    header = json.dumps(
+        {
+            "model": entry.key.model_name,
+            "version": entry.key.model_version,
+            "digest": entry.key.hex,
+            "signature": [[n, t, list(s), b] for n, t, s, b in entry.key.signature],
+            "outputs": header_outputs,
+            "parameters": dict(entry.parameters),
+        },
+        separators=(",", ":"),
+    ).encode()
+    return b"".join([_MAGIC, _LENGTH.pack(len(header)), header, *payload])
+
+
+def decode_entry(data: bytes) -> CacheEntry:
+    """Read an entry written by `encode_entry`. Arrays are read-only views of ``data``.
+
+    Raises:
+        ValueError: ``data`` is not an intact entry of this format.
+    """
+    view = memoryview(data)
+    if bytes(view[: len(_MAGIC)]) != _MAGIC:
+        raise ValueError("not an orchestrion cache entry (or an unknown format version)")
+    start = len(_MAGIC) + _LENGTH.size
+    if len(view) < start:
+        raise ValueError("cache entry truncated in its header")
+    (length,) = _LENGTH.unpack_from(view, len(_MAGIC))
+    try:
+        header = json.loads(bytes(view[start : start + length]))
+        signature = tuple(
+            (str(n), str(t), tuple(int(d) for d in s), int(b)) for n, t, s, b in header["signature"]
+        )
+        key = CacheKey(
+            digest=bytes.fromhex(header["digest"]),
+            model_name=str(header["model"]),
+            model_version=int(header["version"]),
+            signature=signature,
+        )
+        parameters = _parameters(header["parameters"])
+        described = [
+            (str(n), str(t), tuple(int(d) for d in s), int(b)) for n, t, s, b in header["outputs"]
+        ]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cache entry has a malformed header: {exc}") from None
+    offset = start + length
+    outputs: dict[str, np.ndarray[Any, Any]] = {}
+    for name, type_name, shape, nbytes in described:
+        if nbytes < 0 or offset + nbytes > len(view):
+            raise ValueError(f"cache entry truncated in output '{name}'")
+        chunk = view[offset : offset + nbytes]
+        offset += nbytes
+        outputs[name] = _tensor(name, type_name, shape, chunk)
+    if offset != len(view):
+        raise ValueError(f"cache entry has {len(view) - offset} unexpected trailing bytes")
+    return CacheEntry(key=key, outputs=outputs, parameters=parameters)
+
+
+def _parameters(raw: object) -> dict[str, ParameterValue]:
+    if not isinstance(raw, dict):
+        raise TypeError("parameters is not an object")
+    out: dict[str, ParameterValue] = {}
+    for name, value in raw.items():
+        if not isinstance(value, str | int | float | bool):
+            raise TypeError(f"parameter {name!r} has a value of type {type(value).__name__}")
+        out[str(name)] = value
+    return out
+
+
+def _tensor(
+    name: str, type_name: str, shape: tuple[int, ...], chunk: memoryview
+) -> np.ndarray[Any, Any]:
+    try:
+        data_type = DataType(type_name)
+    except ValueError:
+        raise ValueError(f"cache entry output '{name}' has unknown type {type_name!r}") from None
+    count = int(np.prod(shape, dtype=np.int64))
+    if data_type is DataType.BYTES:
+        items: list[bytes] = []
+        at = 0
+        while at < len(chunk):
+            if at + _LENGTH.size > len(chunk):
+                raise ValueError(f"cache entry output '{name}' has a truncated element")
+            (size,) = _LENGTH.unpack_from(chunk, at)
+            at += _LENGTH.size
+            if at + size > len(chunk):
+                raise ValueError(f"cache entry output '{name}' has a truncated element")
+            items.append(bytes(chunk[at : at + size]))
+            at += size
+        if len(items) != count:
+            raise ValueError(f"cache entry output '{name}' has {len(items)} elements, not {count}")
+        array = np.empty(count, dtype=object)
+        array[:] = items
+        array = array.reshape(shape)
+        array.flags.writeable = False
+        return array
+    dtype = data_type.numpy_dtype
+    if count * dtype.itemsize != len(chunk):
+        raise ValueError(f"cache entry output '{name}' has {len(chunk)} bytes for shape {shape}")
+    return np.frombuffer(chunk, dtype=dtype, count=count).reshape(shape)

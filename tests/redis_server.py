@@ -1,0 +1,108 @@
+"""A real ``redis-server`` process on a free loopback port, for tests and benchmarks.
+
+The binary comes from PATH (Debian's ``redis-server``, which ``scripts/bootstrap`` installs
+when it is missing) or from ``$REDIS_SERVER``. Nothing is persisted to disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def redis_binary() -> str:
+    """The path of ``redis-server``.
+
+    Raises:
+        RuntimeError: not installed (run scripts/bootstrap).
+    """
+    found = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
+    if not found:
+        raise RuntimeError("redis-server is not installed; scripts/bootstrap installs it")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` process; `start`, `kill` and `start` again on the same port."""
+
+    def __init__(self, workdir: Path, extra: Sequence[str] = (), *, tls: bool = False) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.extra = list(extra)
+        self.tls = tls
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def cache_config(self) -> list[str]:
+        """``--cache-config`` values that point at this server."""
+        return ["redis,host=127.0.0.1", f"redis,port={self.port}"]
+
+    def start(self) -> None:
+        """Start the server and wait (at most 10 s) until it accepts connections."""
+        port = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [
+                redis_binary(),
+                *port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--loglevel",
+                "warning",
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"redis-server exited at start: {error}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"redis-server did not listen on port {self.port} within 10 s")
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL), as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            if self.process.stderr is not None:
+                self.process.stderr.close()
+            self.process = None
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
