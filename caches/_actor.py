@@ -109,6 +109,7 @@ class CacheActor:
     insertions: int = 0
     insert_failures: int = 0
     errors: int = 0
+    batches: int = 0
     lookup_ns: int = 0
     insert_ns: int = 0
     _available: bool = True
@@ -297,6 +298,7 @@ class CacheActor:
         lookups = [op for op in batch if isinstance(op, _Lookup)]
         inserts = [op.entry for op in batch if isinstance(op, _Insert)]
         if lookups and self._usable():
+            self.batches += 1
             try:
                 found = await self.cache.lookup([op.key for op in lookups])
                 if len(found) != len(lookups):
@@ -318,6 +320,7 @@ class CacheActor:
             self.insert_failures += len(inserts)
             return
         start = time.perf_counter_ns()
+        self.batches += 1
         try:
             await self.cache.insert(inserts)
         except Exception as exc:
@@ -350,6 +353,7 @@ class CacheActor:
             insertions=self.insertions,
             insert_failures=self.insert_failures,
             errors=self.errors,
+            batches=self.batches,
             lookup_ns=self.lookup_ns,
             insert_ns=self.insert_ns,
             queue_depth=depth,

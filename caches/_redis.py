@@ -20,6 +20,8 @@ from typing import Any
 import redis
 import redis.exceptions
 import trio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ..protocols import (
     CacheConfig,
@@ -190,6 +192,9 @@ def _settings(config: CacheConfig) -> dict[str, Any]:
         "socket_timeout": socket_ms / 1000,
         "max_connections": pool_size,
         "timeout": wait_ms / 1000,
+        # One immediate retry on a fresh connection: a pooled connection to a Redis that has
+        # restarted fails once, and that must not count as an outage.
+        "retry": Retry(NoBackoff(), 1),
         "address": address,
     }
     if tls:

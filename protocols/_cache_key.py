@@ -198,7 +198,9 @@ def entry_cost(entry: CacheEntry, key_size: int = 0) -> int:
     for name, shape_name, shape, _ in entry.key.signature:
         cost += sys.getsizeof(name) + sys.getsizeof(shape_name) + sys.getsizeof(shape) + 100
     for name, array in entry.outputs.items():
-        cost += sys.getsizeof(name) + sys.getsizeof(array) + _data_nbytes(array)
+        # getsizeof counts the data of an array that owns it: count the header here only.
+        header = sys.getsizeof(array) - (array.nbytes if array.base is None else 0)
+        cost += sys.getsizeof(name) + header + _data_nbytes(array)
         if array.dtype.kind == "O":
             cost += sum(sys.getsizeof(e) - len(_element(e)) for e in array.flat)
     for name, value in entry.parameters.items():

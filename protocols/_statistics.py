@@ -82,6 +82,8 @@ class CacheStatistics:
     """Insertions lost: the backend failed, or the insert queue was full."""
     errors: int = 0
     """Backend operations that failed (each failed batch counts once)."""
+    batches: int = 0
+    """Calls to a batched backend (round trips to Redis); 0 for immediate caches."""
     lookup_ns: int = 0
     """Total time spent in lookups, queueing included."""
     insert_ns: int = 0

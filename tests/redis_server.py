@@ -51,7 +51,11 @@ class RedisServer:
 
     def start(self) -> None:
         """Start the server and wait (at most 10 s) until it accepts connections."""
-        port = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
+        port = (
+            ["--port", "0", "--tls-port", str(self.port)]
+            if self.tls
+            else ["--port", str(self.port)]
+        )
         self.process = subprocess.Popen(
             [
                 redis_binary(),
@@ -68,13 +72,14 @@ class RedisServer:
                 "warning",
                 *self.extra,
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            # Redis logs (start-up errors included) to stdout; little at level warning.
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                error = self.process.stdout.read().decode() if self.process.stdout else ""
                 raise RuntimeError(f"redis-server exited at start: {error}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
@@ -89,8 +94,8 @@ class RedisServer:
         if self.process is not None:
             self.process.kill()
             self.process.wait(timeout=10)
-            if self.process.stderr is not None:
-                self.process.stderr.close()
+            if self.process.stdout is not None:
+                self.process.stdout.close()
             self.process = None
 
     def stop(self) -> None:
@@ -103,6 +108,6 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=5)
-        if self.process.stderr is not None:
-            self.process.stderr.close()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
         self.process = None
