@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from ._server import AsyncServer as AsyncServer
     from ._server import open_server as open_server
     from .actors import Model as Model
+    from .caches import ResponseCache as ResponseCache
+    from .protocols import CacheStatistics as CacheStatistics
+    from .protocols import CacheUnavailableError as CacheUnavailableError
     from .protocols import ConfigError as ConfigError
     from .protocols import DataType as DataType
     from .protocols import EnsembleScheduling as EnsembleScheduling
@@ -44,9 +47,12 @@ _WHERE = {
     "AsyncServer": "._server",
     "open_server": "._server",
     "Model": ".actors",
+    "ResponseCache": ".caches",
     **{
         name: ".protocols"
         for name in (
+            "CacheStatistics",
+            "CacheUnavailableError",
             "ConfigError",
             "DataType",
             "EnsembleScheduling",

@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +19,17 @@ from rich.table import Table
 from ._examples import Example, load_example
 from ._server import AsyncServer, open_server
 from .actors import load_model_code, scan_repository
-from .protocols import ConfigError, ModelLoadError, OrchestrionError, validate_repository
+from .protocols import (
+    CacheUnavailableError,
+    ConfigError,
+    ModelLoadError,
+    OrchestrionError,
+    parse_cache_config,
+    validate_repository,
+)
+
+DEFAULT_CACHE = "local,size=268435456"
+"""The embedded default of `orchestrion run`: a 256 MiB local cache."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +42,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
     run.add_argument("--seed", type=int, default=0, help="seed of the input generator")
+    cache = run.add_argument_group("response cache (models opt in with response_cache)")
+    cache.add_argument(
+        "--cache-config",
+        action="append",
+        metavar="NAME,KEY=VALUE",
+        help=f"Triton's flag, repeatable: local,size=BYTES or redis,host=H ... "
+        f"(default: {DEFAULT_CACHE})",
+    )
+    cache.add_argument(
+        "--response-cache-byte-size",
+        type=int,
+        metavar="BYTES",
+        help="deprecated (as in Triton): the same as --cache-config local,size=BYTES",
+    )
+    cache.add_argument("--no-cache", action="store_true", help="run without a response cache")
     validate = commands.add_parser("validate", help="check a model repository, report every error")
     validate.add_argument("--model-repository", required=True, type=Path)
     return parser
@@ -49,10 +75,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if requests < 1 or concurrency < 1:
             console.print("[red]error:[/red] --requests and --concurrency must be >= 1")
             return 2
-        return trio.run(_run, example, requests, concurrency, args.seed, console)
-    except (ConfigError, ModelLoadError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        cache = _cache_flags(args, console)
+        return trio.run(_run, example, requests, concurrency, args.seed, cache, console)
+    except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
+
+
+def _cache_flags(args: argparse.Namespace, console: Console) -> list[str]:
+    """The ``--cache-config`` values to run with (checked here, so errors come first).
+
+    Raises:
+        ConfigError: malformed flags, or flags that contradict each other.
+    """
+    flags: list[str] = list(args.cache_config or [])
+    if args.no_cache:
+        if flags or args.response_cache_byte_size is not None:
+            raise ConfigError("--no-cache cannot be combined with a cache flag")
+        return []
+    if not flags and args.response_cache_byte_size is None:
+        flags = [DEFAULT_CACHE]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        settings = parse_cache_config(flags, response_cache_byte_size=args.response_cache_byte_size)
+    for warning in caught:
+        console.print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
+    assert settings is not None
+    return [f"{settings.name},{k}={v}" for k, v in settings.options.items()]
 
 
 def _validate(root: Path, console: Console) -> int:
@@ -80,11 +129,16 @@ def _validate(root: Path, console: Console) -> int:
 
 
 async def _run(
-    example: Example, requests: int, concurrency: int, seed: int, console: Console
+    example: Example,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    cache: list[str],
+    console: Console,
 ) -> int:
     console.print(f"[bold]{example.name}[/bold]: {example.description}", highlight=False)
     started = time.perf_counter()
-    async with open_server(example.model_repository) as server:
+    async with open_server(example.model_repository, cache_config=cache) as server:
         console.print(
             f"loaded {len(server.model_names())} models in {time.perf_counter() - started:.1f} s"
         )
@@ -179,20 +233,33 @@ def _summary(
     every = server.model_statistics()
     longest = max((len(s.name) for s in every), default=5)
     models.add_column("model", no_wrap=True, min_width=longest)
-    for column in ("version", "ok", "failed", "execs", "compute"):
+    for column in ("version", "ok", "failed", "cache hits", "execs", "compute"):
         models.add_column(column, justify="right")
     for s in every:
         n = s.execution_count
         compute = s.inference_stats.compute_infer.ns / n / 1e6 if n else 0.0
+        hits, misses = s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count
         models.add_row(
             s.name,
             str(s.version),
             str(s.inference_stats.success.count),
             str(s.inference_stats.fail.count),
+            f"{hits}/{hits + misses}" if hits + misses else "-",
             str(n) if s.name != example.model else "-",
             f"{compute:.2f} ms" if n else "-",
         )
     console.print(models)
+    cache = server.cache_statistics()
+    if cache is not None:
+        utilization = cache.utilization
+        console.print(
+            f"cache [bold]{cache.name}[/bold]: {cache.hits} hits, {cache.misses} misses, "
+            f"{cache.coalesced} joined an identical running request, "
+            f"{cache.entries if cache.entries is not None else '?'} entries"
+            + (f", {utilization:.1%} full" if utilization is not None else "")
+            + (f", {cache.evictions} evictions" if cache.evictions else ""),
+            highlight=False,
+        )
     for line in errors[:5]:
         console.print(f"[red]{line}[/red]", highlight=False)
     if len(errors) > 5:

@@ -96,6 +96,8 @@ def test_public_names() -> None:
     assert orchestrion.__all__ == sorted(
         [
             "AsyncServer",
+            "CacheStatistics",
+            "CacheUnavailableError",
             "ConfigError",
             "DataType",
             "EnsembleScheduling",
@@ -114,6 +116,7 @@ def test_public_names() -> None:
             "ModelStatistics",
             "Observer",
             "OrchestrionError",
+            "ResponseCache",
             "Server",
             "ServerClosedError",
             "StepStatistics",
@@ -168,6 +171,92 @@ def test_cli_runs_the_image_pipeline(capsys: pytest.CaptureFixture[str]) -> None
     for name in ("image_preprocess_model", "classification_model", "segmentation_model"):
         assert name[:14] in out
     assert "12/12" in out
+    assert "cache local:" in out  # the embedded default: a local cache
+
+
+TINY_CONFIG = """
+name: "inc"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+response_cache { enable: true }
+"""
+TINY_MODEL = "JIT = False\n\ndef execute(X):\n    return {'Y': X + 1}\n"
+TINY_EXAMPLE = """
+import numpy as np
+MODEL = "inc"
+REQUESTS = 20
+CONCURRENCY = 2
+
+def make_inputs(index, rng):
+    return {"X": np.full(4, index % 2, np.float32)}
+"""
+
+
+@pytest.fixture
+def tiny_example(tmp_path: Path) -> Path:
+    """An example whose 20 requests repeat two inputs (a cache's best case)."""
+    version = tmp_path / "tiny" / "models" / "inc" / "1"
+    version.mkdir(parents=True)
+    (version.parent / "config.pbtxt").write_text(TINY_CONFIG)
+    (version / "model.py").write_text(TINY_MODEL)
+    (tmp_path / "tiny" / "example.py").write_text(TINY_EXAMPLE)
+    return tmp_path / "tiny"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], "cache local: 18 hits, 2 misses"),
+        (["--cache-config", "local,size=65536"], "cache local: 18 hits, 2 misses"),
+        (["--no-cache"], "ok"),
+    ],
+)
+def test_cli_cache_flags(
+    tiny_example: Path, capsys: pytest.CaptureFixture[str], flags: list[str], expected: str
+) -> None:
+    """`run` uses a local cache by default; --cache-config picks one; --no-cache none."""
+    assert cli(["run", str(tiny_example), "-c", "1", *flags]) == 0
+    out = capsys.readouterr().out
+    assert expected in out
+    if "--no-cache" in flags:
+        assert "cache local" not in out
+
+
+def test_cli_deprecated_byte_size_flag(
+    tiny_example: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--response-cache-byte-size still works, with a visible deprecation warning."""
+    assert cli(["run", str(tiny_example), "-c", "1", "--response-cache-byte-size", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "deprecated" in out
+    assert "--cache-config local,size=65536" in out
+    assert "cache local: 18 hits" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--cache-config", "local,size=1", "--response-cache-byte-size", "9"],
+            "cannot be used together",
+        ),
+        (["--cache-config", "local"], "expected <name>,<key>=<value>"),
+        (["--cache-config", "local,size=1", "--cache-config", "redis,host=x"], "names two caches"),
+        (["--cache-config", "local,size=10"], "cannot hold any entry"),
+        (
+            ["--cache-config", "redis,host=127.0.0.1", "--cache-config", "redis,port=1"],
+            "cannot reach Redis",
+        ),
+        (["--no-cache", "--cache-config", "local,size=4096"], "cannot be combined"),
+    ],
+)
+def test_cli_cache_errors(
+    tiny_example: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """Bad cache flags stop `run` with exit status 2 and a message that says why."""
+    assert cli(["run", str(tiny_example), *flags]) == 2
+    assert message in capsys.readouterr().out
 
 
 def test_cli_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
