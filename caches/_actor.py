@@ -143,6 +143,9 @@ class CacheActor:
         flight = Flight(self, key)
         if self.cache.immediate:
             flight.entry = self._lookup_now(key)
+            if flight.entry is not None:
+                # A hit awaits nothing else: still a cancellation and a scheduling point.
+                await trio.lowlevel.checkpoint()
         else:
             # Lead before the first wait, so identical requests arriving meanwhile join.
             flight._done = trio.Event()
@@ -221,8 +224,10 @@ class CacheActor:
                 self.insertions += 1
             self.insert_ns += time.perf_counter_ns() - start
             return
+        if self._send is None:  # the actor has stopped (the server is being torn down)
+            self.insert_failures += 1
+            return
         try:
-            assert self._send is not None
             self._send.send_nowait(_Insert(entry))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             self.insert_failures += 1

@@ -15,6 +15,7 @@ header that describes the tensors, then their raw bytes. Nothing is ever unpickl
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import sys
@@ -97,8 +98,36 @@ def _element(item: object) -> bytes:
     raise TypeError(f"BYTES elements must be bytes or str, got {type(item).__name__}")
 
 
+_TYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
 def _type_name(array: np.ndarray[Any, Any]) -> str:
-    return DataType.from_numpy(array.dtype).value
+    dtype = array.dtype
+    name = _TYPE_NAMES.get(dtype)
+    if name is None:
+        name = _TYPE_NAMES[dtype] = DataType.from_numpy(dtype).value
+    return name
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_header(name: str, type_name: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The length-prefixed description of one input (cached: requests repeat shapes)."""
+    encoded = name.encode()
+    return struct.pack(
+        f"<q{len(encoded)}s8sq{len(shape)}qq",
+        len(encoded),
+        encoded,
+        type_name.encode(),
+        len(shape),
+        *shape,
+        nbytes,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_header(model_name: str, model_version: int) -> bytes:
+    name = model_name.encode()
+    return _HEADER.pack(len(name)) + name + _HEADER.pack(model_version)
 
 
 def _raw(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -127,37 +156,24 @@ def cache_key(model_name: str, model_version: int, inputs: Tensors) -> CacheKey:
     Returns:
         the key; equal inputs give equal keys whatever their order in ``inputs``.
     """
-    hasher = xxhash.xxh3_128()
-    name = model_name.encode()
-    hasher.update(_HEADER.pack(len(name)))
-    hasher.update(name)
-    hasher.update(_HEADER.pack(model_version))
+    hasher = xxhash.xxh3_128(_model_header(model_name, model_version))
     signature: list[TensorSignature] = []
     for input_name in sorted(inputs):
         array = inputs[input_name]
         type_name = _type_name(array)
-        encoded = input_name.encode()
+        shape = tuple(map(int, array.shape))
         if array.dtype.kind == "O":
             parts = list(_serialized_bytes(array))
-            nbytes = sum(len(p) for p in parts)
+            nbytes = sum(map(len, parts))
+            # Every variable-length field is length-prefixed: no two inputs share material.
+            hasher.update(_input_header(input_name, type_name, shape, nbytes))
+            for part in parts:
+                hasher.update(part)
         else:
-            parts = [_raw(array)]  # type: ignore[list-item]
             nbytes = int(array.nbytes)
-        shape = tuple(int(d) for d in array.shape)
-        # Every variable-length field is length-prefixed, so no two inputs share material.
-        hasher.update(
-            struct.pack(
-                f"<q{len(encoded)}s8sq{len(shape)}qq",
-                len(encoded),
-                encoded,
-                type_name.encode(),
-                len(shape),
-                *shape,
-                nbytes,
-            )
-        )
-        for part in parts:
-            hasher.update(part)
+            hasher.update(_input_header(input_name, type_name, shape, nbytes))
+            # A C-contiguous array is hashed through the buffer protocol, in place.
+            hasher.update(array if array.flags.c_contiguous else np.ascontiguousarray(array))
         signature.append((input_name, type_name, shape, nbytes))
     return CacheKey(
         digest=hasher.digest(),

@@ -40,3 +40,18 @@ def test_benchmark_runs(command: list[str]) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "µs" in result.stdout
+
+
+def test_cache_benchmark_runs() -> None:
+    """bench/cache.py --quick starts its own redis-server, prints its three tables, stops it."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "cache.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "µs" in result.stdout
+    assert "GB/s" in result.stdout
+    assert "lookups/s" in result.stdout

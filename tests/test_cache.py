@@ -478,6 +478,38 @@ async def test_a_leader_that_times_out_does_not_fail_the_others(
     assert len(assert_ok) == 3
 
 
+async def test_a_local_hit_is_a_checkpoint() -> None:
+    """A hit never blocks: it still honours cancellation and lets other tasks run."""
+    counter = Counter()
+    turns = 0
+
+    async def sibling() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    async with orchestrion.open_server(
+        models=[cached(counted("m", counter))], cache_config=LOCAL
+    ) as server:
+        await server.infer("m", {"X": X})
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await server.infer("m", {"X": X})
+        assert scope.cancelled_caught
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sibling)
+            await trio.sleep(0)
+            before = turns
+            for _ in range(10):
+                await server.infer("m", {"X": X})
+            assert turns - before >= 5
+            nursery.cancel_scope.cancel()
+        s = stats(server, "m")
+    assert counter.calls == 1
+    assert s.inference_stats.fail.count == 1  # the cancelled hit
+
+
 # -- observers and interfaces ------------------------------------------------------------------
 
 
