@@ -16,8 +16,10 @@ is driven by ``concurrency`` worker tasks that take operations from one channel 
 them to the cache in batches (everything queued when a worker comes for work), so a Redis
 backend makes one thread hop and one pipelined round trip per batch. Inserts do not make the
 request wait: they are queued and the workers write them (dropped, and counted, if the queue
-is full). When the backend fails, the actor answers "miss" and drops inserts for the
-cache's ``retry_interval``, logs one error per outage, and logs again when it recovers.
+is full); until a queued insert is written, lookups of its key are answered from the queue,
+so a request that follows a miss always hits. When the backend fails, the actor answers
+"miss" and drops inserts for the cache's ``retry_interval``, logs one error per outage, and
+logs again when it recovers.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ class CacheActor:
     _available: bool = True
     _retry_at: float = 0.0
     _flights: dict[bytes, Flight] = attrs.field(factory=dict)
+    _pending: dict[bytes, CacheEntry] = attrs.field(factory=dict)
+    """Entries queued for a batched backend: hits until written (read your own writes)."""
     _send: trio.MemorySendChannel[_Lookup | _Insert] | None = None
     _closed: bool = False
     _warned_mismatch: bool = False
@@ -141,6 +145,14 @@ class CacheActor:
                 self.coalesced += 1
             return flight  # the leader failed: run the model (its result is stored)
         flight = Flight(self, key)
+        pending = self._pending.get(key.digest)
+        if pending is not None:  # stored a moment ago, still on its way to the backend
+            flight.entry = self._accept(key, pending)
+            if flight.entry is not None:
+                await trio.lowlevel.checkpoint()
+                flight.lookup_ns = time.perf_counter_ns() - start
+                self.lookup_ns += flight.lookup_ns
+                return flight
         if self.cache.immediate:
             flight.entry = self._lookup_now(key)
             if flight.entry is not None:
@@ -231,6 +243,8 @@ class CacheActor:
             self._send.send_nowait(_Insert(entry))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             self.insert_failures += 1
+        else:
+            self._pending[entry.key.digest] = entry
 
     # -- outages ---------------------------------------------------------------------------
 
@@ -321,6 +335,14 @@ class CacheActor:
             op.done.set()
         if not inserts:
             return
+        try:
+            await self._store_batch(inserts)
+        finally:
+            for entry in inserts:
+                if self._pending.get(entry.key.digest) is entry:
+                    del self._pending[entry.key.digest]
+
+    async def _store_batch(self, inserts: list[CacheEntry]) -> None:
         if not self._usable():
             self.insert_failures += len(inserts)
             return

@@ -173,7 +173,8 @@ def cache_key(model_name: str, model_version: int, inputs: Tensors) -> CacheKey:
             nbytes = int(array.nbytes)
             hasher.update(_input_header(input_name, type_name, shape, nbytes))
             # A C-contiguous array is hashed through the buffer protocol, in place.
-            hasher.update(array if array.flags.c_contiguous else np.ascontiguousarray(array))
+            contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            hasher.update(contiguous)  # type: ignore[arg-type]  # ndarray is a Buffer
         signature.append((input_name, type_name, shape, nbytes))
     return CacheKey(
         digest=hasher.digest(),

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 import orchestrion
@@ -487,7 +488,7 @@ async def test_a_local_hit_is_a_checkpoint() -> None:
         nonlocal turns
         while True:
             turns += 1
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with orchestrion.open_server(
         models=[cached(counted("m", counter))], cache_config=LOCAL
@@ -499,7 +500,7 @@ async def test_a_local_hit_is_a_checkpoint() -> None:
         assert scope.cancelled_caught
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sibling)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             before = turns
             for _ in range(10):
                 await server.infer("m", {"X": X})

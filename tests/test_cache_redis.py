@@ -84,6 +84,21 @@ async def test_hit_through_redis_stores_data_only_values(redis_server: RedisServ
     assert client(redis_server).ttl(keys[0]) == -1  # no TTL unless asked
 
 
+async def test_a_request_right_after_a_miss_hits(redis_server: RedisServer) -> None:
+    """While an insert is still on its way to Redis, its key is answered from the queue."""
+    counter = Counter()
+    async with orchestrion.open_server(
+        models=[counted(counter)], cache_config=redis_server.cache_config
+    ) as server:
+        for _ in range(5):
+            response = await server.infer("m", {"X": X})
+            np.testing.assert_array_equal(response.outputs["Y"], X + 1)
+        stats = server.cache_statistics()
+    assert counter.calls == 1
+    assert stats is not None
+    assert (stats.hits, stats.misses) == (4, 1)
+
+
 async def test_two_servers_share_one_redis(redis_server: RedisServer) -> None:
     """What one server computed, another server pointed at the same Redis reuses."""
     first, second = Counter(), Counter()
