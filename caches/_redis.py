@@ -129,11 +129,12 @@ class RedisCache(ResponseCache):
 
     async def insert(self, entries: Sequence[CacheEntry]) -> None:
         """One pipelined round trip of SETs (with the TTL, if any)."""
-        items = [(self._name(e.key), encode_entry(e)) for e in entries]
-        await trio.to_thread.run_sync(self._set_many, items, limiter=self._limiter)
+        # Encoding copies the tensors: done in the worker thread, off the event loop.
+        await trio.to_thread.run_sync(self._set_many, list(entries), limiter=self._limiter)
 
-    def _set_many(self, items: list[tuple[str, bytes]]) -> None:
+    def _set_many(self, entries: list[CacheEntry]) -> None:
         ttl = self.ttl_s or None
+        items = [(self._name(e.key), encode_entry(e)) for e in entries]
         try:
             pipe = self._client.pipeline(transaction=False)
             for name, value in items:
