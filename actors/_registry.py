@@ -10,9 +10,9 @@ it for their steps, so composing models are counted exactly like direct requests
 
 A model (or ensemble) with ``response_cache`` enabled on a server with a cache goes through
 the cache actor instead: a hit answers without running anything (for an ensemble, without
-running any step); a miss runs the model for *all* its outputs, so that the stored response
-answers any later request whatever outputs it asks for, and hands the caller the ones it
-asked for.
+running any step); a miss runs exactly what an uncached request would, and stores the
+response. A request for only some outputs has their names in its key: an ensemble prunes its
+steps for them, so its response (even whether it fails) depends on them.
 """
 
 from __future__ import annotations
@@ -281,9 +281,11 @@ class ModelRegistry:
         start = self._started(runner, request)
         hit = False
         try:
-            flight = await cache.begin(
-                cache_key(runner.config.name, runner.version, request.inputs)
-            )
+            wanted = request.requested_outputs
+            if wanted is not None and wanted >= runner.output_names:
+                wanted = None  # everything: the same response as asking for nothing
+            key = cache_key(runner.config.name, runner.version, request.inputs, wanted)
+            flight = await cache.begin(key)
             try:
                 hit = flight.entry is not None
                 runner.stats.cache_looked_up(hit, flight.lookup_ns)
@@ -315,24 +317,11 @@ class ModelRegistry:
     async def _run_for_cache(
         runner: Runner, request: InferRequest, flight: Flight
     ) -> InferResponse:
-        """Run a cache miss for every output (the entry must answer any later request)."""
-        wanted = request.requested_outputs
-        everything = request
-        if wanted is not None:
-            everything = request.derive(
-                model_name=request.model_name,
-                model_version=request.model_version,
-                inputs=request.inputs,
-                requested_outputs=None,
-            )
-        response = await runner.infer(everything)
+        """Run a miss exactly as asked (pruned like an uncached request) and store it."""
+        response = await runner.infer(request)
         flight.store(response)
         runner.stats.cache_miss_ns += flight.insert_ns  # Triton: a miss costs lookup + insert
-        if wanted is None:
-            return response
-        return attrs.evolve(
-            response, outputs={k: v for k, v in response.outputs.items() if k in wanted}
-        )
+        return response
 
     def ready_now(self, request: InferRequest) -> bool:
         """Whether `infer_now` would run ``request`` without waiting."""

@@ -115,6 +115,8 @@ class CacheActor:
     lookup_ns: int = 0
     insert_ns: int = 0
     _available: bool = True
+    _probing: bool = False
+    """A lookup is testing whether the backend is back."""
     _retry_at: float = 0.0
     _flights: dict[bytes, Flight] = attrs.field(factory=dict)
     _pending: dict[bytes, CacheEntry] = attrs.field(factory=dict)
@@ -133,26 +135,29 @@ class CacheActor:
             runs the model, calls `Flight.store` on success and `Flight.release` always.
         """
         start = time.perf_counter_ns()
-        leader = self._flights.get(key.digest)
-        if leader is not None and leader.key.signature == key.signature:
+        while (leader := self._flights.get(key.digest)) is not None and leader.key == key:
             done = leader._done
             assert done is not None
             await done.wait()
-            flight = Flight(self, key, lookup_ns=time.perf_counter_ns() - start)
-            if leader.entry is not None:  # never a failure: a failed leader stores nothing
-                flight.entry = leader.entry
-                flight.shared = True
+            if leader.entry is not None:
                 self.coalesced += 1
-            return flight  # the leader failed: run the model (its result is stored)
+                return Flight(
+                    self,
+                    key,
+                    entry=leader.entry,
+                    shared=True,
+                    lookup_ns=time.perf_counter_ns() - start,
+                )
+            # The leader failed or was cancelled and shares nothing (never a failure): look
+            # again; the first of the waiters to get here leads, the others wait for it.
         flight = Flight(self, key)
         pending = self._pending.get(key.digest)
-        if pending is not None:  # stored a moment ago, still on its way to the backend
+        if pending is not None and pending.matches(key):  # stored, on its way to the backend
             flight.entry = self._accept(key, pending)
-            if flight.entry is not None:
-                await trio.lowlevel.checkpoint()
-                flight.lookup_ns = time.perf_counter_ns() - start
-                self.lookup_ns += flight.lookup_ns
-                return flight
+            await trio.lowlevel.checkpoint()
+            flight.lookup_ns = time.perf_counter_ns() - start
+            self.lookup_ns += flight.lookup_ns
+            return flight
         if self.cache.immediate:
             flight.entry = self._lookup_now(key)
             if flight.entry is not None:
@@ -221,7 +226,7 @@ class CacheActor:
         return self._accept(key, op.entry)
 
     def _insert(self, entry: CacheEntry) -> None:
-        if not self._usable():
+        if not self._available:  # inserts never probe a backend that is down
             self.insert_failures += 1
             return
         if self.cache.immediate:
@@ -249,10 +254,19 @@ class CacheActor:
     # -- outages ---------------------------------------------------------------------------
 
     def _usable(self) -> bool:
-        return self._available or trio.current_time() >= self._retry_at
+        """Whether a lookup may go to the backend now. While it is down, one lookup per
+        ``retry_interval`` probes it; every other request is answered "miss" at once
+        instead of queueing behind a probe that may hang for a socket timeout."""
+        if self._available:
+            return True
+        if self._probing or trio.current_time() < self._retry_at:
+            return False
+        self._probing = True
+        return True
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1
+        self._probing = False
         self._retry_at = trio.current_time() + self.cache.retry_interval
         if not self._available:
             _log.debug("%s cache still unavailable: %s", self.name, exc)
@@ -267,6 +281,7 @@ class CacheActor:
         )
 
     def _recovered(self) -> None:
+        self._probing = False
         if not self._available:
             self._available = True
             _log.warning("%s cache is available again; caching resumed", self.name)
@@ -316,7 +331,7 @@ class CacheActor:
     async def _run_batch(self, batch: list[_Lookup | _Insert]) -> None:
         lookups = [op for op in batch if isinstance(op, _Lookup)]
         inserts = [op.entry for op in batch if isinstance(op, _Insert)]
-        if lookups and self._usable():
+        if lookups and (self._available or self._probing):
             self.batches += 1
             try:
                 found = await self.cache.lookup([op.key for op in lookups])
@@ -343,7 +358,7 @@ class CacheActor:
                     del self._pending[entry.key.digest]
 
     async def _store_batch(self, inserts: list[CacheEntry]) -> None:
-        if not self._usable():
+        if not self._available:
             self.insert_failures += len(inserts)
             return
         start = time.perf_counter_ns()

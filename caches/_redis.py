@@ -145,7 +145,7 @@ class RedisCache(ResponseCache):
 
     async def aclose(self) -> None:
         """Close every pooled connection (closing sockets does not block)."""
-        self._client.close()
+        _close(self._client)
 
 
 def _settings(config: CacheConfig) -> dict[str, Any]:
@@ -197,7 +197,8 @@ def _settings(config: CacheConfig) -> dict[str, Any]:
         "timeout": wait_ms / 1000,
         # One immediate retry on a fresh connection: a pooled connection to a Redis that has
         # restarted fails once, and that must not count as an outage.
-        "retry": Retry(NoBackoff(), 1),
+        # (Never on a timeout: a hung Redis must cost one socket_timeout, not two.)
+        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
         "address": address,
     }
     if tls:
@@ -225,7 +226,7 @@ async def open_redis_cache(config: CacheConfig) -> RedisCache:
     try:
         await trio.to_thread.run_sync(client.ping)
     except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
-        client.close()
+        _close(client)
         if isinstance(exc, redis.exceptions.AuthenticationError) or _refused(exc):
             raise CacheUnavailableError(
                 f"Redis at {address} rejected the credentials ({exc}); set user and password "
@@ -233,12 +234,12 @@ async def open_redis_cache(config: CacheConfig) -> RedisCache:
             ) from exc
         raise CacheUnavailableError(f"Redis at {address} refused PING: {exc}") from exc
     except redis.exceptions.RedisError as exc:
-        client.close()
+        _close(client)
         raise CacheUnavailableError(
             f"cannot reach Redis at {address}{' over TLS' if tls else ''}: {exc}"
         ) from exc
     except BaseException:
-        client.close()
+        _close(client)
         raise
     return RedisCache(
         client,
@@ -253,3 +254,9 @@ async def open_redis_cache(config: CacheConfig) -> RedisCache:
 def _refused(exc: Exception) -> bool:
     text = str(exc)
     return any(word in text for word in ("WRONGPASS", "NOAUTH", "invalid password"))
+
+
+def _close(client: redis.Redis) -> None:
+    # A client given its own pool leaves the pool open on close(): disconnect it too.
+    client.close()
+    client.connection_pool.disconnect()

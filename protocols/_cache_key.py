@@ -19,7 +19,7 @@ import functools
 import json
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
 import attrs
@@ -32,7 +32,7 @@ from ._messages import ParameterValue, Tensors
 TensorSignature: TypeAlias = tuple[str, str, tuple[int, ...], int]
 """One input as a cache key sees it: (name, protocol data type, shape, byte length)."""
 
-_MAGIC = b"ORCHCE1\n"  # orchestrion cache entry, format 1
+_MAGIC = b"ORCHCE2\n"  # orchestrion cache entry, format 2 (format 1 had no "requested")
 _LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<q")
 
@@ -48,6 +48,8 @@ class CacheKey:
     model_version: int
     signature: tuple[TensorSignature, ...]
     """The inputs, in name order."""
+    outputs: tuple[str, ...] | None = None
+    """The outputs asked for, sorted, when a request asked for only some (None: all)."""
 
     @property
     def hex(self) -> str:
@@ -79,6 +81,7 @@ class CacheEntry:
             and mine.signature == key.signature
             and mine.model_name == key.model_name
             and mine.model_version == key.model_version
+            and mine.outputs == key.outputs
         )
 
 
@@ -145,13 +148,21 @@ def _serialized_bytes(array: np.ndarray[Any, Any]) -> Iterator[bytes]:
         yield data
 
 
-def cache_key(model_name: str, model_version: int, inputs: Tensors) -> CacheKey:
+def cache_key(
+    model_name: str,
+    model_version: int,
+    inputs: Tensors,
+    outputs: Iterable[str] | None = None,
+) -> CacheKey:
     """The cache key of a request for ``model_name`` at its resolved ``model_version``.
 
     Args:
         model_name: the model (or ensemble) that answers the request.
         model_version: the version that answers it (never -1).
         inputs: the request's checked inputs (numpy arrays, BYTES as object arrays).
+        outputs: the outputs the request asked for when it asked for only some of them
+            (an ensemble prunes its steps for them, so the response depends on them);
+            None when it wants them all.
 
     Returns:
         the key; equal inputs give equal keys whatever their order in ``inputs``.
@@ -176,11 +187,20 @@ def cache_key(model_name: str, model_version: int, inputs: Tensors) -> CacheKey:
             contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
             hasher.update(contiguous)  # type: ignore[arg-type]  # ndarray is a Buffer
         signature.append((input_name, type_name, shape, nbytes))
+    wanted = None
+    if outputs is not None:
+        wanted = tuple(sorted(outputs))
+        hasher.update(_HEADER.pack(-len(wanted)))  # negative: no input header looks like it
+        for name in wanted:
+            encoded = name.encode()
+            hasher.update(_HEADER.pack(len(encoded)))
+            hasher.update(encoded)
     return CacheKey(
         digest=hasher.digest(),
         model_name=model_name,
         model_version=model_version,
         signature=tuple(signature),
+        outputs=wanted,
     )
 
 
@@ -244,6 +264,7 @@ def encode_entry(entry: CacheEntry) -> bytes:
             "version": entry.key.model_version,
             "digest": entry.key.hex,
             "signature": [[n, t, list(s), b] for n, t, s, b in entry.key.signature],
+            "requested": list(entry.key.outputs) if entry.key.outputs is not None else None,
             "outputs": header_outputs,
             "parameters": dict(entry.parameters),
         },
@@ -270,11 +291,13 @@ def decode_entry(data: bytes) -> CacheEntry:
         signature = tuple(
             (str(n), str(t), tuple(int(d) for d in s), int(b)) for n, t, s, b in header["signature"]
         )
+        requested = header["requested"]
         key = CacheKey(
             digest=bytes.fromhex(header["digest"]),
             model_name=str(header["model"]),
             model_version=int(header["version"]),
             signature=signature,
+            outputs=None if requested is None else tuple(str(n) for n in requested),
         )
         parameters = _parameters(header["parameters"])
         described = [

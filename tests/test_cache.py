@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,10 +16,12 @@ import trio.lowlevel
 import trio.testing
 
 import orchestrion
+import orchestrion._server
 from builders import cached, chain, ensemble, model, outcome, step, tensor
-from orchestrion.caches import LocalCache
+from orchestrion.caches import LocalCache, ResponseCache
 from orchestrion.protocols import (
     CacheEntry,
+    CacheKey,
     ConfigError,
     InferenceError,
     InferenceTimeoutError,
@@ -232,8 +235,8 @@ async def test_both_levels_cache_independently() -> None:
     assert c.entries == 3
 
 
-async def test_requested_outputs_are_served_from_one_entry() -> None:
-    """A miss stores every output, so later requests for other outputs hit correctly."""
+async def test_requested_outputs_are_part_of_the_key() -> None:
+    """Each set of requested outputs has its own entry; naming every output is 'all'."""
     calls = []
 
     def two(X: Any) -> dict[str, Any]:
@@ -243,36 +246,49 @@ async def test_requested_outputs_are_served_from_one_entry() -> None:
     m = cached(model("two", two, [tensor("X")], [tensor("Y"), tensor("Z")], jit=False))
     async with orchestrion.open_server(models=[m], cache_config=LOCAL) as server:
         only_y = await server.infer("two", {"X": X}, outputs=["Y"])
+        only_y_again = await server.infer("two", {"X": X}, outputs=["Y"])
+        assert len(calls) == 1
         both = await server.infer("two", {"X": X})
+        both_by_name = await server.infer("two", {"X": X}, outputs=["Z", "Y"])
+        assert len(calls) == 2
         only_z = await server.infer("two", {"X": X}, outputs=["Z"])
-    assert len(calls) == 1
-    assert set(only_y.outputs) == {"Y"}
-    assert set(both.outputs) == {"Y", "Z"}
+        assert len(calls) == 3
+    assert set(only_y.outputs) == set(only_y_again.outputs) == {"Y"}
+    assert set(both.outputs) == set(both_by_name.outputs) == {"Y", "Z"}
     assert set(only_z.outputs) == {"Z"}
     np.testing.assert_array_equal(only_z.outputs["Z"], X * 2)
 
 
-async def test_ensemble_cache_serves_other_output_subsets() -> None:
-    """A pruned ensemble request still stores the full response for later requests."""
+async def test_a_cached_ensemble_still_prunes() -> None:
+    """A miss runs only the steps the request needs, as uncached: a failing branch nobody
+    asked for neither runs nor fails the request; asking for it fails, uncached."""
     counter = Counter(1)
+
+    def bad(X: Any) -> dict[str, Any]:
+        raise RuntimeError("bad branch")
+
     models = [
         counted("a", counter),
-        model("neg", lambda X: {"Y": -X}, [tensor("X")], [tensor("Y")], jit=False),
+        model("bad", bad, [tensor("X")], [tensor("Y")], jit=False),
         cached(
             ensemble(
                 "fan",
                 [tensor("IN")],
                 [tensor("P"), tensor("N")],
-                [step("a", {"X": "IN"}, {"Y": "P"}), step("neg", {"X": "IN"}, {"Y": "N"})],
+                [step("a", {"X": "IN"}, {"Y": "P"}), step("bad", {"X": "IN"}, {"Y": "N"})],
             )
         ),
     ]
     async with orchestrion.open_server(models=models, cache_config=LOCAL) as server:
-        await server.infer("fan", {"IN": X}, outputs=["N"])
-        full = await server.infer("fan", {"IN": X})
-        assert stats(server, "fan").inference_stats.cache_hit.count == 1
-    np.testing.assert_array_equal(full.outputs["P"], X + 1)
-    np.testing.assert_array_equal(full.outputs["N"], -X)
+        for _ in range(2):
+            only_p = await server.infer("fan", {"IN": X}, outputs=["P"])
+            np.testing.assert_array_equal(only_p.outputs["P"], X + 1)
+        assert counter.calls == 1  # the second was a hit
+        for _ in range(2):
+            with pytest.raises(InferenceError, match="bad branch"):
+                await server.infer("fan", {"IN": X})
+        fan = stats(server, "fan")
+    assert (fan.inference_stats.cache_hit.count, fan.inference_stats.fail.count) == (1, 2)
 
 
 async def test_callers_cannot_corrupt_an_entry() -> None:
@@ -449,7 +465,7 @@ async def test_a_failed_leader_is_not_shared() -> None:
     assert len(answers) == 7
     for r in answers:
         np.testing.assert_array_equal(r.outputs["Y"], X + 5)
-    assert len(calls) >= 2  # the failure was not handed to the others
+    assert len(calls) == 2  # not handed to the others: one of them led again
     assert (s.inference_stats.fail.count, s.inference_stats.success.count) == (1, 7)
 
 
@@ -571,3 +587,65 @@ async def test_cache_settings_errors_at_start_up(config: Any, message: str) -> N
     with pytest.raises(ConfigError, match=re.escape(message)):
         async with orchestrion.open_server(models=[], cache_config=config):
             pass
+
+
+# -- single-flight after a cancelled or failed leader (batched cache) ------------------
+
+
+class GatedCache(ResponseCache):
+    """A batched (non-immediate) cache whose lookups wait for ``gate``."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, CacheEntry] = {}
+        self.gate = trio.Event()
+
+    async def lookup(self, keys: Sequence[CacheKey]) -> Sequence[CacheEntry | None]:
+        await self.gate.wait()
+        return [self.entries.get(k.digest) for k in keys]
+
+    async def insert(self, entries: Sequence[CacheEntry]) -> None:
+        for entry in entries:
+            self.entries[entry.key.digest] = entry
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_followers_of_a_cancelled_leader_still_get_the_stored_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader is cancelled during its lookup: the 8 identical requests waiting on it
+    are answered from the entry the cache holds, without running the model."""
+    cache = GatedCache()
+    key = cache_key("m", 1, {"X": X})
+    cache.entries[key.digest] = CacheEntry(key=key, outputs=frozen_outputs({"Y": X + 1}))
+
+    async def open_gated(settings: Any) -> ResponseCache:
+        return cache
+
+    monkeypatch.setattr(orchestrion._server, "open_cache", open_gated)
+    calls: list[int] = []
+
+    def execute(X: Any) -> dict[str, Any]:
+        calls.append(1)
+        return {"Y": X + 1}
+
+    m = cached(model("m", execute, [tensor("X")], [tensor("Y")], jit=False))
+    async with orchestrion.open_server(models=[m], cache_config="gated,x=1") as server:
+        async with trio.open_nursery() as nursery:
+            leader = trio.CancelScope()
+
+            async def lead() -> None:
+                with leader:
+                    await server.infer("m", {"X": X})
+
+            nursery.start_soon(lead)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(8):
+                nursery.start_soon(server.infer, "m", {"X": X})
+            await trio.testing.wait_all_tasks_blocked()
+            leader.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            cache.gate.set()
+        hits = server.model_statistics("m")[0].inference_stats.cache_hit.count
+    assert (len(calls), hits) == (0, 8)

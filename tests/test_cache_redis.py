@@ -4,6 +4,9 @@ credentials, TLS, batching and the stored format."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +83,7 @@ async def test_hit_through_redis_stores_data_only_values(redis_server: RedisServ
     assert len(keys[0]) == 12 + 32
     value = client(redis_server).get(keys[0])
     assert value is not None
-    assert value.startswith(b"ORCHCE1\n")
+    assert value.startswith(b"ORCHCE2\n")
     assert client(redis_server).ttl(keys[0]) == -1  # no TTL unless asked
 
 
@@ -427,3 +430,83 @@ async def test_tls_with_client_certificates(tmp_path: Path, certificates: dict[s
                 pass
     finally:
         server.stop()
+
+
+def plus_one() -> orchestrion.Model:
+    return cached(model("m", lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")], jit=False))
+
+
+async def test_a_hung_redis_holds_a_request_for_at_most_socket_timeout(
+    redis_server: RedisServer,
+) -> None:
+    """With Redis stopped (SIGSTOP), a request waits about socket_timeout, not twice that."""
+    config = [*redis_server.cache_config, "redis,socket_timeout=1000"]
+    assert redis_server.process is not None
+    pid = redis_server.process.pid
+    async with orchestrion.open_server(models=[plus_one()], cache_config=config) as server:
+        await server.infer("m", {"X": X})
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            response = await server.infer("m", {"X": X + 1})
+            took = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    np.testing.assert_array_equal(response.outputs["Y"], X + 2)
+    assert took < 1.6, f"a request took {took:.2f} s with socket_timeout=1 s (2 s: retried)"
+
+
+async def test_requests_during_an_outage_probe_are_served_uncached_at_once(
+    redis_server: RedisServer,
+) -> None:
+    """While Redis is known to be down, only one request probes it; the others do not wait."""
+    config = [
+        *redis_server.cache_config,
+        "redis,socket_timeout=300",
+        "redis,retry_interval=100",
+        "redis,pool_size=1",
+    ]
+    assert redis_server.process is not None
+    pid = redis_server.process.pid
+    finished: list[str] = []
+
+    async def one(server: orchestrion.AsyncServer, x: Any, name: str) -> None:
+        await server.infer("m", {"X": x})
+        finished.append(name)
+
+    async with orchestrion.open_server(models=[plus_one()], cache_config=config) as server:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await server.infer("m", {"X": X})  # finds the outage
+            stats = server.cache_statistics()
+            assert stats is not None
+            assert not stats.available
+            await trio.sleep(0.15)  # past retry_interval: the next request probes Redis
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, server, X + 1, "probe")
+                await trio.sleep(0.02)
+                for i in range(4):
+                    nursery.start_soon(one, server, X + 10 + i, f"request {i}")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    # The probe hangs for its socket timeout; the others were answered uncached before it.
+    assert finished[-1] == "probe", finished
+
+
+async def test_closing_the_server_closes_its_redis_connections(
+    redis_server: RedisServer,
+) -> None:
+    """After open_server exits, no connection of its cache is left open on Redis."""
+    async with orchestrion.open_server(
+        models=[plus_one()], cache_config=redis_server.cache_config
+    ) as server:
+        await server.infer("m", {"X": X})
+        await server.infer("m", {"X": X + 1})
+    monitor = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        monitor.client_setname("monitor")
+        others = [c for c in monitor.client_list() if c["name"] != "monitor"]
+    finally:
+        monitor.close()
+    assert server is not None  # the caller still holds the server (for its statistics)
+    assert others == [], f"{len(others)} connection(s) still open after the server closed"
