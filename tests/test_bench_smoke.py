@@ -15,8 +15,17 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     ("command", "expected"),
     [
         (
-            ["pipeline.py", "--requests", "40", "--warmup", "10", "--repeats", "1"]
-            + ["--concurrency", "1,4"],
+            [
+                "pipeline.py",
+                "--requests",
+                "40",
+                "--warmup",
+                "10",
+                "--repeats",
+                "1",
+                "--concurrency",
+                "1,4",
+            ],
             ["µs"],
         ),
         (["step_costs.py", "--requests", "40"], ["µs"]),
