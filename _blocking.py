@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import anyio.from_thread
+from opentelemetry import trace
 
 from ._server import AsyncServer, open_server
 from .actors import Model
@@ -44,6 +45,9 @@ class Server:
         models: Sequence[Model] = (),
         *,
         cache_config: str | Sequence[str] | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        tracing: str | Sequence[str] | trace.TracerProvider | None = None,
         observers: Sequence[Observer] = (),
     ) -> None:
         self._open = functools.partial(
@@ -51,6 +55,9 @@ class Server:
             model_repository,
             models,
             cache_config=cache_config,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            tracing=tracing,
             observers=observers,
         )
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
@@ -120,6 +127,7 @@ class Server:
         sequence_end: bool = False,
         priority: int = 0,
         timeout: float | None = None,
+        traceparent: str | None = None,
     ) -> InferResponse:
         """Run one request; see `AsyncServer.infer` for the arguments and errors."""
         response: InferResponse = self._call(
@@ -135,6 +143,7 @@ class Server:
             sequence_end=sequence_end,
             priority=priority,
             timeout=timeout,
+            traceparent=traceparent,
         )
         return response
 
@@ -144,6 +153,16 @@ class Server:
         """See `AsyncServer.model_statistics`."""
         result: list[ModelStatistics] = self._sync("model_statistics", name, version)
         return result
+
+    def metrics_text(self) -> str:
+        """See `AsyncServer.metrics_text`."""
+        result: str = self._sync("metrics_text")
+        return result
+
+    @property
+    def metrics_url(self) -> str | None:
+        """See `AsyncServer.metrics_url`."""
+        return self._server.metrics_url if self._server is not None else None
 
     def cache_statistics(self) -> CacheStatistics | None:
         """See `AsyncServer.cache_statistics`."""

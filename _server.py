@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 import sniffio
 import trio
+from opentelemetry import trace
+from prometheus_client.registry import CollectorRegistry
 
 from .actors import Model, ModelRegistry
 from .caches import CacheActor, open_cache, open_cache_actor
@@ -28,6 +30,16 @@ from .protocols import (
     StepStatistics,
     new_request,
     parse_cache_config,
+    parse_trace_config,
+)
+from .telemetry import (
+    RequestTracing,
+    extract_traceparent,
+    make_metrics_registry,
+    make_tracer_provider,
+    metrics_text,
+    open_metrics_endpoint,
+    request_tracing,
 )
 
 _log = logging.getLogger("orchestrion")
@@ -67,11 +79,39 @@ def _observer(observers: Sequence[Observer]) -> Observer | None:
     return _GuardedObservers(observers) if observers else None
 
 
+@attrs.frozen
+class _MetricsSource:
+    """What the Prometheus collector reads from a server at each scrape."""
+
+    registry: ModelRegistry
+
+    def model_statistics(self) -> list[ModelStatistics]:
+        return self.registry.statistics()
+
+    def cache_statistics(self) -> CacheStatistics | None:
+        cache = self.registry.cache
+        return cache.statistics() if cache is not None else None
+
+    def all_step_statistics(self) -> list[StepStatistics]:
+        return self.registry.all_step_statistics()
+
+
 @attrs.define(eq=False)
 class AsyncServer:
     """A running orchestrion server inside a trio program. Get one from `open_server`."""
 
     _registry: ModelRegistry
+    _metrics: CollectorRegistry = attrs.field(init=False)
+    """The server's own prometheus-client registry (Triton's metrics and orchestrion's)."""
+    metrics_url: str | None = attrs.field(default=None, init=False)
+    """Where Prometheus can scrape the metrics (None without ``metrics_port``)."""
+
+    def __attrs_post_init__(self) -> None:
+        self._metrics = make_metrics_registry(_MetricsSource(self._registry))
+
+    def metrics_text(self) -> str:
+        """The Prometheus text a scrape of the metrics endpoint returns now."""
+        return metrics_text(self._metrics)
 
     async def infer(
         self,
@@ -88,6 +128,7 @@ class AsyncServer:
         priority: int = 0,
         # Triton's request field; forwarded to composing models, enforced with a trio deadline.
         timeout: float | None = None,  # noqa: ASYNC109
+        traceparent: str | None = None,
     ) -> InferResponse:
         """Run one inference request and return its response.
 
@@ -108,6 +149,8 @@ class AsyncServer:
             timeout: seconds the whole request may take. Work that can be cancelled (async
                 models, queued requests, waits) is cancelled then; a synchronous execution
                 that is running finishes, and its late result is discarded.
+            traceparent: a W3C ``traceparent`` header: the request's span becomes a child of
+                the span it names (when the server traces).
 
         Returns:
             the response: ``.outputs`` (numpy arrays by name) and ``.parameters``.
@@ -132,6 +175,8 @@ class AsyncServer:
             priority=priority,
             timeout=timeout,
         )
+        if traceparent is not None and self._registry.tracing is not None:
+            request = request.with_trace(extract_traceparent(traceparent))
         if request.timeout is None:
             return await self._registry.infer(request, strict_outputs=True)
         with trio.move_on_after(request.timeout):
@@ -207,6 +252,9 @@ async def open_server(
     models: Sequence[Model] = (),
     *,
     cache_config: str | Sequence[str] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    tracing: str | Sequence[str] | trace.TracerProvider | None = None,
     observers: Sequence[Observer] = (),
 ) -> AsyncIterator[AsyncServer]:
     """Open an orchestrion server in a nursery of its own; models are ready on entry.
@@ -217,10 +265,19 @@ async def open_server(
         cache_config: the response cache, as Triton's ``--cache-config`` values: one string
             or several (``"local,size=1048576"``, or ``["redis,host=localhost",
             "redis,port=6379"]``). Models cache only with ``response_cache { enable: true }``.
+        metrics_port: serve Prometheus metrics at ``http://<metrics_host>:<port>/metrics``
+            while the server runs (0: any free port; see ``server.metrics_url``). None: no
+            endpoint (``server.metrics_text()`` still returns the text).
+        metrics_host: the address the metrics endpoint binds (loopback by default).
+        tracing: OpenTelemetry traces: Triton's ``--trace-config`` values (``["mode=
+            opentelemetry", "rate=100", "opentelemetry,url=http://localhost:4318/v1/traces"]``;
+            the server owns the exporter and flushes it on exit), or an application's own
+            ``TracerProvider``. None: no spans.
         observers: receivers of runtime events (metrics, traces, tests).
 
     Raises:
-        ConfigError: the repository, a config or the cache settings are invalid.
+        ConfigError: the repository, a config or the cache settings are invalid, or the
+            metrics port cannot be bound.
         ModelLoadError: a model's code failed to import, initialise or compile.
         CacheUnavailableError: the cache's backend (Redis) cannot be reached or refuses
             the credentials.
@@ -235,17 +292,45 @@ async def open_server(
             "plain code) use the blocking orchestrion.Server, see docs/guide.md"
         )
     settings = parse_cache_config(cache_config)
-    if settings is None:
-        async with _open_models(model_repository, models, observers, None) as server:
-            yield server
-        return
-    cache = await open_cache(settings)
-    # The cache outlives the models: it is closed after the last request has finished.
-    async with (
-        open_cache_actor(cache, settings.name) as actor,
-        _open_models(model_repository, models, observers, actor) as server,
-    ):
+    # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
+    # the cache they used.
+    async with contextlib.AsyncExitStack() as stack:
+        tracer = await _tracing(stack, tracing)
+        actor: CacheActor | None = None
+        if settings is not None:
+            cache = await open_cache(settings)
+            actor = await stack.enter_async_context(open_cache_actor(cache, settings.name))
+        server = await stack.enter_async_context(
+            _open_models(model_repository, models, observers, actor, tracer)
+        )
+        if metrics_port is not None:
+            server.metrics_url = await stack.enter_async_context(
+                open_metrics_endpoint(server._metrics, metrics_host, metrics_port)
+            )
         yield server
+
+
+async def _tracing(
+    stack: contextlib.AsyncExitStack,
+    tracing: str | Sequence[str] | trace.TracerProvider | None,
+) -> RequestTracing | None:
+    """The runtime's tracing; a provider made here is shut down (flushed) by ``stack``."""
+    if tracing is None:
+        return None
+    if isinstance(tracing, trace.TracerProvider):
+        return request_tracing(tracing)  # the application's: it shuts it down
+    config = parse_trace_config(tracing)
+    if config is None:
+        return None
+    provider = make_tracer_provider(config)
+
+    async def shutdown() -> None:
+        # Flushing exports over the network: off the event loop, and even when cancelled.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(provider.shutdown)
+
+    stack.push_async_callback(shutdown)
+    return request_tracing(provider)
 
 
 @contextlib.asynccontextmanager
@@ -254,6 +339,7 @@ async def _open_models(
     models: Sequence[Model],
     observers: Sequence[Observer],
     cache: CacheActor | None,
+    tracing: RequestTracing | None,
 ) -> AsyncIterator[AsyncServer]:
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
@@ -264,6 +350,7 @@ async def _open_models(
             observer=_observer(observers),
             repository=Path(model_repository) if model_repository is not None else None,
             cache=cache,
+            tracing=tracing,
         )
         try:
             found = await registry.read_repository() if model_repository is not None else []

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import attrs
 import trio
+from opentelemetry.trace import Span
 
 from ..caches import CacheActor, Flight
 from ..protocols import (
@@ -46,6 +47,7 @@ from ..protocols import (
     shared_outputs,
     validate_repository,
 )
+from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
 from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
@@ -122,6 +124,8 @@ class ModelRegistry:
     repository: Path | None = None
     cache: CacheActor | None = None
     """The server's response cache; None when the server has none."""
+    tracing: RequestTracing | None = None
+    """Spans of every request; None when the server does not trace."""
     _runners: dict[str, dict[int, Runner]] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
@@ -186,6 +190,16 @@ class ModelRegistry:
             raise InvalidRequestError(f"model '{ensemble}' is not an ensemble")
         return runner.step_statistics()
 
+    def all_step_statistics(self) -> list[StepStatistics]:
+        """Live per-step state of the latest version of every loaded ensemble."""
+        latest = [self._sorted(name)[-1] for name in self.model_names()]
+        return [
+            step
+            for runner in latest
+            if isinstance(runner, EnsembleRunner)
+            for step in runner.step_statistics()
+        ]
+
     # -- requests --------------------------------------------------------------------------
 
     def _admit(
@@ -211,11 +225,19 @@ class ModelRegistry:
             requested_outputs=wanted,
         )
 
-    def _started(self, runner: Runner, request: InferRequest) -> int:
+    def _started(
+        self, runner: Runner, request: InferRequest, from_ensemble: bool
+    ) -> tuple[int, InferRequest, Span | None]:
         runner.stats.pending += 1
+        span = None
+        if self.tracing is not None:
+            batch = batch_size(runner.config.max_batch_size, request.inputs)
+            span, request = self.tracing.start_request(
+                runner.config.name, runner.version, request, batch, from_ensemble
+            )
         if self.observer is not None:
             self.observer.request_started(runner.config.name, runner.version, request)
-        return time.perf_counter_ns()
+        return time.perf_counter_ns(), request, span
 
     def _finished(
         self,
@@ -223,13 +245,16 @@ class ModelRegistry:
         request: InferRequest,
         start: int,
         error: BaseException | None,
-        cache_hit: bool = False,
+        span: Span | None,
+        cache_hit: bool | None = None,
     ) -> None:
         duration = time.perf_counter_ns() - start
         stats = runner.stats
         stats.pending -= 1
         batch = batch_size(runner.config.max_batch_size, request.inputs)
-        stats.request_finished(error is None, duration, batch, cache_hit)
+        stats.request_finished(error, duration, batch, bool(cache_hit))
+        if span is not None:
+            RequestTracing.end_request(span, error, cache_hit)
         if self.observer is not None:
             self.observer.request_finished(
                 runner.config.name, runner.version, request, error, duration
@@ -255,11 +280,13 @@ class ModelRegistry:
         """
         runner, request = self._admit(request, from_ensemble)
         if self.cache is not None and _caches(runner.config):
-            return await self._infer_cached(self.cache, runner, request, strict_outputs)
+            return await self._infer_cached(
+                self.cache, runner, request, strict_outputs, from_ensemble
+            )
         # Short synchronous work on an idle instance runs here, between a cancellation check
         # and a checkpoint, instead of making a trip through the model's queue.
         now = runner.ready_now(request.inputs)
-        start = self._started(runner, request)
+        start, request, span = self._started(runner, request, from_ensemble)
         try:
             if now:
                 await trio.lowlevel.checkpoint_if_cancelled()
@@ -270,24 +297,38 @@ class ModelRegistry:
             if strict_outputs:
                 _check_requested(request, response)
         except BaseException as exc:
-            self._finished(runner, request, start, exc)
+            self._finished(runner, request, start, exc, span)
             raise
-        self._finished(runner, request, start, None)
+        self._finished(runner, request, start, None, span)
         return response
 
     async def _infer_cached(
-        self, cache: CacheActor, runner: Runner, request: InferRequest, strict_outputs: bool
+        self,
+        cache: CacheActor,
+        runner: Runner,
+        request: InferRequest,
+        strict_outputs: bool,
+        from_ensemble: bool,
     ) -> InferResponse:
-        start = self._started(runner, request)
-        hit = False
+        start, request, span = self._started(runner, request, from_ensemble)
+        hit: bool | None = None
         try:
             wanted = request.requested_outputs
             if wanted is not None and wanted >= runner.output_names:
                 wanted = None  # everything: the same response as asking for nothing
             key = cache_key(runner.config.name, runner.version, request.inputs, wanted)
+            looking = time.perf_counter_ns()
             flight = await cache.begin(key)
             try:
                 hit = flight.entry is not None
+                if self.tracing is not None:
+                    self.tracing.record(
+                        "cache_lookup",
+                        request,
+                        looking,
+                        looking + flight.lookup_ns,
+                        {"orchestrion.cache.hit": hit, "orchestrion.cache.shared": flight.shared},
+                    )
                 runner.stats.cache_looked_up(hit, flight.lookup_ns)
                 if self.observer is not None:
                     self.observer.cache_looked_up(
@@ -308,19 +349,21 @@ class ModelRegistry:
             if strict_outputs:
                 _check_requested(request, response)
         except BaseException as exc:
-            self._finished(runner, request, start, exc)
+            self._finished(runner, request, start, exc, span, hit)
             raise
-        self._finished(runner, request, start, None, cache_hit=hit)
+        self._finished(runner, request, start, None, span, hit)
         return response
 
-    @staticmethod
     async def _run_for_cache(
-        runner: Runner, request: InferRequest, flight: Flight
+        self, runner: Runner, request: InferRequest, flight: Flight
     ) -> InferResponse:
         """Run a miss exactly as asked (pruned like an uncached request) and store it."""
         response = await runner.infer(request)
+        storing = time.perf_counter_ns()
         flight.store(response)
         runner.stats.cache_miss_ns += flight.insert_ns  # Triton: a miss costs lookup + insert
+        if self.tracing is not None:
+            self.tracing.record("cache_insert", request, storing, storing + flight.insert_ns)
         return response
 
     def ready_now(self, request: InferRequest) -> bool:
@@ -345,13 +388,13 @@ class ModelRegistry:
         return self._run_now(runner, request)
 
     def _run_now(self, runner: Runner, request: InferRequest) -> InferResponse:
-        start = self._started(runner, request)
+        start, request, span = self._started(runner, request, True)
         try:
             response = runner.infer_now(request)
         except BaseException as exc:
-            self._finished(runner, request, start, exc)
+            self._finished(runner, request, start, exc, span)
             raise
-        self._finished(runner, request, start, None)
+        self._finished(runner, request, start, None, span)
         return response
 
     # -- loading ---------------------------------------------------------------------------
@@ -400,7 +443,9 @@ class ModelRegistry:
         started: dict[str, dict[int, Runner]] = {}
 
         async def start(runner: Runner, serve: object) -> None:
+            began = time.perf_counter_ns()
             await self.nursery.start(serve)  # type: ignore[arg-type]
+            self._loaded(runner, time.perf_counter_ns() - began)
             started.setdefault(runner.config.name, {})[runner.version] = runner
 
         plain = [m for defs in new.values() for m in defs.values() if not m.config.is_ensemble]
@@ -409,6 +454,7 @@ class ModelRegistry:
             async with trio.open_nursery() as loader:
                 for model in plain:
                     runner = ModelRunner(model, self.observer)
+                    runner.tracing = self.tracing
                     loader.start_soon(start, runner, runner.serve)
         except BaseExceptionGroup as group:
             await self._close_runners(started)
@@ -419,8 +465,7 @@ class ModelRegistry:
         try:
             for model in ensembles:
                 ensemble = EnsembleRunner(model.config, model.version, self, self.observer)
-                await self.nursery.start(ensemble.serve)
-                started.setdefault(model.name, {})[model.version] = ensemble
+                await start(ensemble, ensemble.serve)
         except BaseException:  # cancelled while starting: stop what was started
             await self._close_runners(started)
             raise
@@ -428,6 +473,12 @@ class ModelRegistry:
         for name, runners in started.items():
             self._runners[name] = runners
         await self._close_runners(old)
+
+    def _loaded(self, runner: Runner, load_ns: int) -> None:
+        stats = runner.stats
+        stats.load_ns = load_ns
+        stats.is_ensemble = isinstance(runner, EnsembleRunner)
+        stats.cache_enabled = self.cache is not None and _caches(runner.config)
 
     async def _close_runners(self, runners: Mapping[str, Mapping[int, Runner]]) -> None:
         """Stop ``runners``: all refuse new work at once, then wait for running requests.

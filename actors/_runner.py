@@ -43,6 +43,7 @@ from ..protocols import (
     Tensors,
     apply_reshape,
 )
+from ..telemetry import RequestTracing
 from ._definition import Model, takes_request
 from ._stats import StatsRecorder
 
@@ -109,6 +110,8 @@ class ModelRunner:
     model: Model
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
+    tracing: RequestTracing | None = None
+    """Records a ``compute`` span per execution under the request's span."""
     stats: StatsRecorder = attrs.field(init=False)
     _fn: Callable[..., Any] = attrs.field(init=False)
     _is_async: bool = attrs.field(init=False)
@@ -356,6 +359,8 @@ class ModelRunner:
         elapsed: int,
         batch: int,
         learn: bool = True,
+        request: InferRequest | None = None,
+        started: int = 0,
     ) -> None:
         if learn and not self._is_async:
             # The execution itself, not the trip to a worker thread and back.
@@ -368,6 +373,9 @@ class ModelRunner:
             self.observer.execution_finished(
                 self.model.name, self.model.version, batch, queue_ns, elapsed
             )
+        if self.tracing is not None and request is not None:
+            attributes = {"orchestrion.batch_size": batch, "orchestrion.queue_us": queue_ns // 1000}
+            self.tracing.record("compute", request, started, started + elapsed, attributes)
 
     async def _serve_instance(
         self,
@@ -432,7 +440,10 @@ class ModelRunner:
         batch = batch_size(self.model.config.max_batch_size, work.request.inputs)
         elapsed = time.perf_counter_ns() - started
         # A compilation says nothing about how long executions take.
-        self._record(instance, started - work.enqueued_ns, result, elapsed, batch, not compiling)
+        queue_ns = started - work.enqueued_ns
+        self._record(
+            instance, queue_ns, result, elapsed, batch, not compiling, work.request, started
+        )
         work.done.set()
 
     def ready_now(self, inputs: Tensors) -> bool:
@@ -471,7 +482,8 @@ class ModelRunner:
         finally:
             instance.busy = False
             batch = batch_size(self.model.config.max_batch_size, request.inputs)
-            self._record(instance, 0, result, time.perf_counter_ns() - started, batch)
+            elapsed = time.perf_counter_ns() - started
+            self._record(instance, 0, result, elapsed, batch, True, request, started)
         return self._response(request, result[0])
 
     async def infer(self, request: InferRequest) -> InferResponse:

@@ -6,7 +6,7 @@ import time
 
 import attrs
 
-from ..protocols import DurationStatistics, InferStatistics, ModelStatistics
+from ..protocols import DurationStatistics, InferStatistics, ModelStatistics, failure_reason
 
 
 @attrs.define(eq=False)
@@ -32,12 +32,20 @@ class StatsRecorder:
     cache_hit_ns: int = 0
     cache_miss_count: int = 0
     cache_miss_ns: int = 0
+    failures: dict[str, int] = attrs.field(factory=dict)
+    cache_enabled: bool = False
+    load_ns: int = 0
+    is_ensemble: bool = False
 
     def request_finished(
-        self, ok: bool, duration_ns: int, batch_size: int, cache_hit: bool = False
+        self,
+        error: BaseException | None,
+        duration_ns: int,
+        batch_size: int,
+        cache_hit: bool = False,
     ) -> None:
         """Count one answered request (a cache hit is a success, not an inference)."""
-        if ok:
+        if error is None:
             self.success_count += 1
             self.success_ns += duration_ns
             if not cache_hit:
@@ -45,6 +53,8 @@ class StatsRecorder:
         else:
             self.fail_count += 1
             self.fail_ns += duration_ns
+            reason = failure_reason(error)
+            self.failures[reason] = self.failures.get(reason, 0) + 1
         self.last_inference_ms = time.time_ns() // 1_000_000
 
     def execution_finished(
@@ -77,6 +87,10 @@ class StatsRecorder:
             inference_count=self.inference_count,
             execution_count=self.execution_count,
             pending_request_count=self.pending,
+            failures_by_reason=dict(self.failures),
+            cache_enabled=self.cache_enabled,
+            load_ns=self.load_ns,
+            is_ensemble=self.is_ensemble,
             inference_stats=InferStatistics(
                 success=DurationStatistics(count=self.success_count, ns=self.success_ns),
                 fail=DurationStatistics(count=self.fail_count, ns=self.fail_ns),

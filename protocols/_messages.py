@@ -42,6 +42,27 @@ class InferRequest:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    trace: object | None = attrs.field(default=None, eq=False, repr=False)
+    """The tracing context the request's spans are children of (opaque here: an
+    OpenTelemetry ``Context`` when the server traces). Travels with the message, so
+    long-lived actors never rely on task-local context."""
+
+    def with_trace(self, trace: object | None) -> InferRequest:
+        """This request with another tracing context (the span that now covers it)."""
+        return InferRequest(
+            model_name=self.model_name,
+            model_version=self.model_version,
+            inputs=self.inputs,
+            requested_outputs=self.requested_outputs,
+            request_id=self.request_id,
+            parameters=self.parameters,
+            priority=self.priority,
+            timeout=self.timeout,
+            sequence_id=self.sequence_id,
+            sequence_start=self.sequence_start,
+            sequence_end=self.sequence_end,
+            trace=trace,
+        )
 
     def derive(
         self,
@@ -68,6 +89,7 @@ class InferRequest:
             sequence_id=self.sequence_id,
             sequence_start=self.sequence_start,
             sequence_end=self.sequence_end,
+            trace=self.trace,
         )
 
 

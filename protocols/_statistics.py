@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
+
+from ._errors import InferenceError, InvalidRequestError, OrchestrionError
+
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+"""Triton's ``reason`` label values of ``nv_inference_request_failure``."""
+
+
+def failure_reason(error: BaseException) -> str:
+    """Triton's failure reason for ``error``: the caller's bad request was REJECTED, a
+    cancellation or timeout CANCELED, a model's failure BACKEND, anything else OTHER."""
+    if isinstance(error, InvalidRequestError):
+        return "REJECTED"
+    if isinstance(error, TimeoutError) or not isinstance(error, Exception):
+        return "CANCELED"  # trio.Cancelled is a BaseException; InferenceTimeoutError
+    if isinstance(error, InferenceError):
+        return "BACKEND"
+    if isinstance(error, OrchestrionError):
+        return "REJECTED"  # the server is closing: not the model's doing
+    return "OTHER"
 
 
 @attrs.frozen(kw_only=True)
@@ -45,6 +66,13 @@ class ModelStatistics:
     inference_stats: InferStatistics = InferStatistics()
     pending_request_count: int = 0
     """Requests accepted and not yet answered."""
+    failures_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    """Failed requests by Triton's reason (REJECTED, CANCELED, BACKEND, OTHER)."""
+    cache_enabled: bool = False
+    """``response_cache`` is on for this model and the server has a cache."""
+    load_ns: int = 0
+    """How long loading (initialising and compiling) this version took."""
+    is_ensemble: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,153 @@
+"""OpenTelemetry traces of the requests a server runs.
+
+How this works: the runtime uses only the OpenTelemetry *API*, through `RequestTracing`; the
+SDK (provider, sampler, exporter) is configured at the edge, by `open_tracer_provider` from
+Triton's ``--trace-config`` flags and the ``OTEL_*`` variables, or by the embedding
+application, which may pass its own ``TracerProvider``.
+
+Each request gets a span (``InferRequest`` for a client's request, the model's name for an
+ensemble step's request), whose context is stored *in the request message* (`InferRequest.
+trace`): an ensemble derives its steps' requests from it, so a step's span is a child of the
+ensemble's whatever task runs it, and nothing depends on task-local context in long-lived
+actors. Compute and cache lookups become child spans recorded after the fact from the
+timestamps the runtime measures anyway. A client's W3C ``traceparent`` becomes the parent of
+its request's span. Sampling is parent-based: an unsampled request costs one
+non-recording span per model it touches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from ..protocols import InferRequest, TraceConfig, failure_reason
+
+INSTRUMENTATION = "orchestrion"
+_PROPAGATOR = TraceContextTextMapPropagator()
+# perf_counter_ns is what the runtime measures with; spans want wall-clock nanoseconds.
+_EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+
+
+def _wall(perf_ns: int) -> int:
+    return perf_ns + _EPOCH_OFFSET_NS
+
+
+def extract_traceparent(traceparent: str, tracestate: str | None = None) -> Context:
+    """The context a W3C ``traceparent`` header names (an empty context if malformed)."""
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier)
+
+
+class RequestTracing:
+    """Starts and ends the spans of requests; used by the runtime, never global."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def start_request(
+        self,
+        model_name: str,
+        version: int,
+        request: InferRequest,
+        batch_size: int,
+        from_ensemble: bool,
+    ) -> tuple[Span, InferRequest]:
+        """A span for ``request`` (child of its context) and the request carrying it."""
+        parent = request.trace if isinstance(request.trace, Context) else None
+        span = self._tracer.start_span(
+            model_name if from_ensemble else "InferRequest",
+            context=parent,
+            kind=SpanKind.INTERNAL if from_ensemble else SpanKind.SERVER,
+            attributes={
+                "orchestrion.model.name": model_name,
+                "orchestrion.model.version": version,
+                "orchestrion.request.id": request.request_id,
+                "orchestrion.batch_size": batch_size,
+            },
+        )
+        return span, request.with_trace(trace.set_span_in_context(span, parent))
+
+    @staticmethod
+    def end_request(span: Span, error: BaseException | None, cache_hit: bool | None) -> None:
+        """End a request's span with its outcome."""
+        if span.is_recording():
+            if cache_hit is not None:
+                span.set_attribute("orchestrion.cache.hit", cache_hit)
+            if error is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+                span.set_attribute("orchestrion.failure.reason", failure_reason(error))
+        span.end()
+
+    def record(
+        self,
+        name: str,
+        request: InferRequest,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A finished child span of ``request``'s span, from ``perf_counter_ns`` stamps."""
+        parent = request.trace
+        if not isinstance(parent, Context):
+            return
+        if not trace.get_current_span(parent).is_recording():
+            return  # the request is not sampled: neither are its parts
+        span = self._tracer.start_span(
+            name, context=parent, start_time=_wall(start_ns), attributes=attributes
+        )
+        span.end(end_time=_wall(end_ns))
+
+
+def make_exporter(config: TraceConfig) -> SpanExporter:
+    """An OTLP exporter over HTTP (protobuf) or gRPC, from ``config`` and ``OTEL_*``."""
+    protocol = (
+        config.protocol
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=config.url) if config.url else GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    url = config.url
+    if url is not None and "://" not in url:
+        url = "http://" + url  # Triton's examples give host:port/v1/traces
+    return OTLPSpanExporter(endpoint=url) if url else OTLPSpanExporter()
+
+
+def make_tracer_provider(
+    config: TraceConfig, exporter: SpanExporter | None = None
+) -> TracerProvider:
+    """A provider sampling 1 request in ``config.rate`` (parent-based), exporting in
+    batches from the SDK's worker thread; the caller owns it and must `shutdown` it."""
+    resource = Resource.create(dict(config.resource))  # OTEL_RESOURCE_ATTRIBUTES too
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "orchestrion"}))
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(1.0 / config.rate))
+    )
+    provider.add_span_processor(BatchSpanProcessor(exporter or make_exporter(config)))
+    return provider
+
+
+def request_tracing(provider: trace.TracerProvider) -> RequestTracing:
+    """The runtime's tracing, on ``provider`` (the server's own, or the application's)."""
+    return RequestTracing(provider.get_tracer(INSTRUMENTATION))
