@@ -225,6 +225,17 @@ class ModelRegistry:
             requested_outputs=wanted,
         )
 
+    def _rejected(self, request: InferRequest, error: InvalidRequestError) -> None:
+        """Count a request its model refused (bad inputs) as a REJECTED failure."""
+        if isinstance(error, ModelNotFoundError):
+            return  # no model to count it on
+        versions = self._runners.get(request.model_name)
+        if versions:
+            version = request.model_version
+            runner = versions.get(version) if version > 0 else versions[max(versions)]
+            if runner is not None:
+                runner.stats.request_finished(error, 0, 0)
+
     def _started(
         self, runner: Runner, request: InferRequest, from_ensemble: bool
     ) -> tuple[int, InferRequest, Span | None]:
@@ -278,7 +289,11 @@ class ModelRegistry:
             InferenceError: the model or a step of the ensemble failed, or (strict) a
                 requested output was left out.
         """
-        runner, request = self._admit(request, from_ensemble)
+        try:
+            runner, request = self._admit(request, from_ensemble)
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
         if self.cache is not None and _caches(runner.config):
             return await self._infer_cached(
                 self.cache, runner, request, strict_outputs, from_ensemble

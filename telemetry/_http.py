@@ -74,19 +74,36 @@ async def open_metrics_endpoint(
     config.graceful_timeout = 1.0
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
+        app: Any = metrics_app(registry)
         try:
-            app: Any = metrics_app(registry)
             binds = await nursery.start(
                 lambda task_status: serve(app, config, mode="asgi", task_status=task_status)
             )
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
-            ) from exc
-        try:
-            yield f"{binds[0]}/metrics"
-        except BaseException as exc:
+        except BaseException as exc:  # hypercorn's own nurseries wrap a bind error
             error = exc
+        else:
+            try:
+                yield f"{binds[0]}/metrics"
+            except BaseException as exc:
+                error = exc
         nursery.cancel_scope.cancel()
-    if error is not None:
-        raise error
+    if error is None:
+        return
+    bind_error = _os_error(error)
+    if bind_error is not None:
+        raise ConfigError(
+            f"cannot serve metrics on {host}:{port}: {bind_error.strerror or bind_error}"
+        ) from bind_error
+    raise error
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError inside a (nested) exception group of a failed start, if any."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _os_error(inner)
+            if found is not None:
+                return found
+    return None
