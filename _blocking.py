@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import anyio.from_thread
+import sniffio
 from opentelemetry import trace
 
 from ._server import AsyncServer, open_server
@@ -76,6 +77,16 @@ class Server:
             self.__exit__(None, None, None)
 
     def __enter__(self) -> Self:
+        try:
+            library = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            pass
+        else:  # blocking here would stall the caller's own event loop
+            raise RuntimeError(
+                f"orchestrion.Server blocks; it was opened inside a running {library} event "
+                "loop: use `async with orchestrion.open_server(...)` in trio code, or open "
+                "Server from a worker thread (asyncio.to_thread)"
+            )
         self._portal_cm = anyio.from_thread.start_blocking_portal("trio")
         self._portal = self._portal_cm.__enter__()
         try:

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import numpy as np
 import trio
 from rich.console import Console
@@ -57,6 +58,27 @@ def _parser() -> argparse.ArgumentParser:
         help="deprecated (as in Triton): the same as --cache-config local,size=BYTES",
     )
     cache.add_argument("--no-cache", action="store_true", help="run without a response cache")
+    telemetry = run.add_argument_group("telemetry")
+    telemetry.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run",
+    )
+    telemetry.add_argument(
+        "--trace-config",
+        action="append",
+        metavar="[opentelemetry,]KEY=VALUE",
+        help="Triton's flag, repeatable: mode=opentelemetry, rate=N (1 in N traced), "
+        "opentelemetry,url=http://localhost:4318/v1/traces (default: the OTEL_* variables)",
+    )
+    telemetry.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep the server (and its metrics endpoint) up this long after the run",
+    )
     validate = commands.add_parser("validate", help="check a model repository, report every error")
     validate.add_argument("--model-repository", required=True, type=Path)
     return parser
@@ -75,8 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if requests < 1 or concurrency < 1:
             console.print("[red]error:[/red] --requests and --concurrency must be >= 1")
             return 2
-        cache = _cache_flags(args, console)
-        return trio.run(_run, example, requests, concurrency, args.seed, cache, console)
+        if args.linger < 0:
+            console.print("[red]error:[/red] --linger must be >= 0")
+            return 2
+        options = _RunOptions(
+            cache=_cache_flags(args, console),
+            metrics_port=args.metrics_port,
+            tracing=args.trace_config,
+            linger=args.linger,
+        )
+        return trio.run(_run, example, requests, concurrency, args.seed, options, console)
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
@@ -128,24 +158,42 @@ def _validate(root: Path, console: Console) -> int:
     return 0
 
 
+@attrs.frozen
+class _RunOptions:
+    cache: list[str]
+    metrics_port: int | None
+    tracing: list[str] | None
+    linger: float
+
+
 async def _run(
     example: Example,
     requests: int,
     concurrency: int,
     seed: int,
-    cache: list[str],
+    options: _RunOptions,
     console: Console,
 ) -> int:
     console.print(f"[bold]{example.name}[/bold]: {example.description}", highlight=False)
     started = time.perf_counter()
-    async with open_server(example.model_repository, cache_config=cache) as server:
+    async with open_server(
+        example.model_repository,
+        cache_config=options.cache,
+        metrics_port=options.metrics_port,
+        tracing=options.tracing,
+    ) as server:
         console.print(
             f"loaded {len(server.model_names())} models in {time.perf_counter() - started:.1f} s"
         )
+        if server.metrics_url is not None:
+            console.print(f"metrics at {server.metrics_url}", highlight=False)
         latencies, errors, wall = await _drive(
             server, example, requests, concurrency, seed, console
         )
         _summary(server, example, latencies, errors, wall, concurrency, console)
+        if options.linger:
+            console.print(f"serving for {options.linger:g} s more (Ctrl-C to stop)")
+            await trio.sleep(options.linger)
     return 1 if errors else 0
 
 

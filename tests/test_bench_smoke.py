@@ -31,8 +31,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["step_costs.py", "--requests", "40"], ["µs"]),
         # Starts its own redis-server, prints its three tables, stops it.
         (["cache.py", "--quick"], ["µs", "GB/s", "lookups/s"]),
+        # Starts its own OTLP receiver; telemetry off, metrics, tracing at 100% and 1%.
+        (["telemetry.py", "--quick"], ["Spans per request", "µs", "req/s", "tracing 1%"]),
     ],
-    ids=["pipeline", "step_costs", "cache"],
+    ids=["pipeline", "step_costs", "cache", "telemetry"],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     """Each benchmark script completes and prints its tables."""
