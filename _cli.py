@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run",
     )
     telemetry.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address the metrics endpoint binds (default: loopback only)",
+    )
+    telemetry.add_argument(
         "--trace-config",
         action="append",
         metavar="[opentelemetry,]KEY=VALUE",
@@ -103,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _RunOptions(
             cache=_cache_flags(args, console),
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             tracing=args.trace_config,
             linger=args.linger,
         )
@@ -162,6 +169,7 @@ def _validate(root: Path, console: Console) -> int:
 class _RunOptions:
     cache: list[str]
     metrics_port: int | None
+    metrics_host: str
     tracing: list[str] | None
     linger: float
 
@@ -180,6 +188,7 @@ async def _run(
         example.model_repository,
         cache_config=options.cache,
         metrics_port=options.metrics_port,
+        metrics_host=options.metrics_host,
         tracing=options.tracing,
     ) as server:
         console.print(

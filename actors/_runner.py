@@ -375,7 +375,9 @@ class ModelRunner:
             )
         if self.tracing is not None and request is not None:
             attributes = {"orchestrion.batch_size": batch, "orchestrion.queue_us": queue_ns // 1000}
-            self.tracing.record("compute", request, started, started + elapsed, attributes)
+            self.tracing.record(
+                "compute", request, started, started + elapsed, attributes, result is None
+            )
 
     async def _serve_instance(
         self,

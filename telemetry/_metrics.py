@@ -192,11 +192,16 @@ class ServerMetrics(Collector):
                 cache.coalesced,
             ),
             ("errors_total", "Failed backend operations", "counter", cache.errors),
+            ("insertions_total", "Responses stored", "counter", cache.insertions),
             ("insert_failures_total", "Responses not stored", "counter", cache.insert_failures),
-            ("available", "1 while the backend answers", "gauge", float(cache.available)),
+            ("available", "1 while the backend answers", "gauge", int(cache.available)),
             ("lookup_seconds_total", "Time in lookups", "counter", cache.lookup_ns / 1e9),
             ("insert_seconds_total", "Time storing responses", "counter", cache.insert_ns / 1e9),
         ]
+        if cache.used_bytes is not None:
+            own.append(("used_bytes", "Bytes the stored responses take", "gauge", cache.used_bytes))
+        if cache.capacity_bytes is not None:
+            own.append(("capacity_bytes", "The cache's size", "gauge", cache.capacity_bytes))
         for suffix, documentation, kind, value in own:
             family = _family(f"orchestrion_cache_{suffix}", documentation, kind)
             family.add_sample(family.name, labels, value)

@@ -31,10 +31,12 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ..protocols import InferRequest, TraceConfig, failure_reason
+from ..protocols import ConfigError, InferRequest, TraceConfig, failure_reason
 
 INSTRUMENTATION = "orchestrion"
 _PROPAGATOR = TraceContextTextMapPropagator()
+UNSAMPLED = object()
+"""The `InferRequest.trace` of a request the sampler left out: its parts make no spans."""
 # perf_counter_ns is what the runtime measures with; spans want wall-clock nanoseconds.
 _EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
@@ -64,21 +66,32 @@ class RequestTracing:
         request: InferRequest,
         batch_size: int,
         from_ensemble: bool,
-    ) -> tuple[Span, InferRequest]:
-        """A span for ``request`` (child of its context) and the request carrying it."""
-        parent = request.trace if isinstance(request.trace, Context) else None
+    ) -> tuple[Span | None, InferRequest]:
+        """A span for ``request`` (child of its context) and the request carrying it.
+
+        A request that is not sampled is marked `UNSAMPLED`: its ensemble steps then make
+        no spans at all (the sampler would say no to each of them anyway).
+        """
+        parent = request.trace
+        if parent is UNSAMPLED:
+            return None, request
+        context = parent if isinstance(parent, Context) else None
         span = self._tracer.start_span(
             model_name if from_ensemble else "InferRequest",
-            context=parent,
+            context=context,
             kind=SpanKind.INTERNAL if from_ensemble else SpanKind.SERVER,
-            attributes={
+        )
+        if not span.is_recording():
+            return None, request.with_trace(UNSAMPLED)
+        span.set_attributes(
+            {
                 "orchestrion.model.name": model_name,
                 "orchestrion.model.version": version,
                 "orchestrion.request.id": request.request_id,
                 "orchestrion.batch_size": batch_size,
-            },
+            }
         )
-        return span, request.with_trace(trace.set_span_in_context(span, parent))
+        return span, request.with_trace(trace.set_span_in_context(span, context))
 
     @staticmethod
     def end_request(span: Span, error: BaseException | None, cache_hit: bool | None) -> None:
@@ -98,38 +111,48 @@ class RequestTracing:
         start_ns: int,
         end_ns: int,
         attributes: Mapping[str, Any] | None = None,
+        failed: bool = False,
     ) -> None:
         """A finished child span of ``request``'s span, from ``perf_counter_ns`` stamps."""
         parent = request.trace
         if not isinstance(parent, Context):
-            return
-        if not trace.get_current_span(parent).is_recording():
-            return  # the request is not sampled: neither are its parts
+            return  # not traced, or not sampled (UNSAMPLED)
         span = self._tracer.start_span(
             name, context=parent, start_time=_wall(start_ns), attributes=attributes
         )
+        if failed:
+            span.set_status(Status(StatusCode.ERROR))
         span.end(end_time=_wall(end_ns))
 
 
 def make_exporter(config: TraceConfig) -> SpanExporter:
-    """An OTLP exporter over HTTP (protobuf) or gRPC, from ``config`` and ``OTEL_*``."""
+    """An OTLP exporter over HTTP (protobuf) or gRPC, from ``config`` and ``OTEL_*``.
+
+    Raises:
+        ConfigError: an OTLP protocol orchestrion cannot export with.
+    """
     protocol = (
         config.protocol
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "http/protobuf"
     )
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ConfigError(
+            f"OTLP protocol {protocol!r} (from OTEL_EXPORTER_OTLP_PROTOCOL): orchestrion "
+            "exports http/protobuf or grpc"
+        )
+    url = config.url
+    if url is not None and "://" not in url:
+        url = "http://" + url  # Triton's examples give host:port/v1/traces (plain text)
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
 
-        return GrpcExporter(endpoint=config.url) if config.url else GrpcExporter()
+        return GrpcExporter(endpoint=url) if url else GrpcExporter()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    url = config.url
-    if url is not None and "://" not in url:
-        url = "http://" + url  # Triton's examples give host:port/v1/traces
     return OTLPSpanExporter(endpoint=url) if url else OTLPSpanExporter()
 
 
