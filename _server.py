@@ -330,7 +330,7 @@ async def _tracing(
             await trio.to_thread.run_sync(provider.shutdown)
 
     stack.push_async_callback(shutdown)
-    return request_tracing(provider)
+    return request_tracing(provider, root_rate=config.rate)
 
 
 @contextlib.asynccontextmanager

@@ -47,7 +47,7 @@ from ..protocols import (
     shared_outputs,
     validate_repository,
 )
-from ..telemetry import RequestTracing
+from ..telemetry import UNSAMPLED, RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
 from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
@@ -241,7 +241,7 @@ class ModelRegistry:
     ) -> tuple[int, InferRequest, Span | None]:
         runner.stats.pending += 1
         span = None
-        if self.tracing is not None:
+        if self.tracing is not None and request.trace is not UNSAMPLED:
             batch = batch_size(runner.config.max_batch_size, request.inputs)
             span, request = self.tracing.start_request(
                 runner.config.name, runner.version, request, batch, from_ensemble

@@ -373,7 +373,7 @@ class ModelRunner:
             self.observer.execution_finished(
                 self.model.name, self.model.version, batch, queue_ns, elapsed
             )
-        if self.tracing is not None and request is not None:
+        if self.tracing is not None and request is not None and self.tracing.traced(request):
             attributes = {"orchestrion.batch_size": batch, "orchestrion.queue_us": queue_ns // 1000}
             self.tracing.record(
                 "compute", request, started, started + elapsed, attributes, result is None

@@ -8,6 +8,7 @@ from ._metrics import ServerMetrics as ServerMetrics
 from ._metrics import make_metrics_registry as make_metrics_registry
 from ._metrics import metrics_text as metrics_text
 from ._metrics import render_text as render_text
+from ._tracing import UNSAMPLED as UNSAMPLED
 from ._tracing import RequestTracing as RequestTracing
 from ._tracing import extract_traceparent as extract_traceparent
 from ._tracing import make_exporter as make_exporter

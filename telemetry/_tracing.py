@@ -18,6 +18,7 @@ non-recording span per model it touches.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -54,10 +55,25 @@ def extract_traceparent(traceparent: str, tracestate: str | None = None) -> Cont
 
 
 class RequestTracing:
-    """Starts and ends the spans of requests; used by the runtime, never global."""
+    """Starts and ends the spans of requests; used by the runtime, never global.
 
-    def __init__(self, tracer: trace.Tracer) -> None:
+    Args:
+        tracer: where spans go.
+        root_rate: when the provider was made from ``rate=N`` (its sampler then samples
+            every root), the 1-in-N decision for requests without a parent is taken here
+            with one random draw, before any span exists: an unsampled request then costs
+            no SDK call at all. None: the provider's sampler decides everything.
+    """
+
+    def __init__(self, tracer: trace.Tracer, root_rate: int | None = None) -> None:
         self._tracer = tracer
+        self._root_rate = root_rate
+        self._random = random.Random()
+
+    @staticmethod
+    def traced(request: InferRequest) -> bool:
+        """Whether ``request`` is sampled (its parts deserve spans)."""
+        return isinstance(request.trace, Context)
 
     def start_request(
         self,
@@ -76,6 +92,14 @@ class RequestTracing:
         if parent is UNSAMPLED:
             return None, request
         context = parent if isinstance(parent, Context) else None
+        rate = self._root_rate
+        if (
+            context is None
+            and rate is not None
+            and rate > 1
+            and self._random.random() * rate >= 1.0
+        ):
+            return None, request.with_trace(UNSAMPLED)
         span = self._tracer.start_span(
             model_name if from_ensemble else "InferRequest",
             context=context,
@@ -159,18 +183,18 @@ def make_exporter(config: TraceConfig) -> SpanExporter:
 def make_tracer_provider(
     config: TraceConfig, exporter: SpanExporter | None = None
 ) -> TracerProvider:
-    """A provider sampling 1 request in ``config.rate`` (parent-based), exporting in
-    batches from the SDK's worker thread; the caller owns it and must `shutdown` it."""
+    """A provider that follows a caller's sampling decision and samples every root (the
+    1-in-``rate`` choice of roots is `RequestTracing`'s, see `request_tracing`), exporting
+    in batches from the SDK's worker thread; the caller owns it and must `shutdown` it."""
     resource = Resource.create(dict(config.resource))  # OTEL_RESOURCE_ATTRIBUTES too
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "orchestrion"}))
-    provider = TracerProvider(
-        resource=resource, sampler=ParentBased(TraceIdRatioBased(1.0 / config.rate))
-    )
+    provider = TracerProvider(resource=resource, sampler=ParentBased(ALWAYS_ON))
     provider.add_span_processor(BatchSpanProcessor(exporter or make_exporter(config)))
     return provider
 
 
-def request_tracing(provider: trace.TracerProvider) -> RequestTracing:
-    """The runtime's tracing, on ``provider`` (the server's own, or the application's)."""
-    return RequestTracing(provider.get_tracer(INSTRUMENTATION))
+def request_tracing(provider: trace.TracerProvider, root_rate: int | None = None) -> RequestTracing:
+    """The runtime's tracing, on ``provider`` (the server's own, made by
+    `make_tracer_provider` with ``root_rate`` = its config's rate, or the application's)."""
+    return RequestTracing(provider.get_tracer(INSTRUMENTATION), root_rate)
