@@ -33,17 +33,9 @@ DEFAULT_CACHE = "local,size=268435456"
 """The embedded default of `orchestrion run`: a 256 MiB local cache."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrion", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run an example pipeline and summarise it")
-    run.add_argument("example", help="a folder under examples/ (image_pipeline) or a path")
-    run.add_argument(
-        "-n", "--requests", type=int, help="number of requests (default: the example's)"
-    )
-    run.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
-    run.add_argument("--seed", type=int, default=0, help="seed of the input generator")
-    cache = run.add_argument_group("response cache (models opt in with response_cache)")
+def _server_options(command: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
+    """The cache and telemetry flags `run` and `serve` share."""
+    cache = command.add_argument_group("response cache (models opt in with response_cache)")
     cache.add_argument(
         "--cache-config",
         action="append",
@@ -58,12 +50,14 @@ def _parser() -> argparse.ArgumentParser:
         help="deprecated (as in Triton): the same as --cache-config local,size=BYTES",
     )
     cache.add_argument("--no-cache", action="store_true", help="run without a response cache")
-    telemetry = run.add_argument_group("telemetry")
+    telemetry = command.add_argument_group("telemetry")
     telemetry.add_argument(
         "--metrics-port",
         type=int,
+        default=default_metrics_port,
         metavar="PORT",
-        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run",
+        help="serve Prometheus metrics at http://<metrics-host>:PORT/metrics"
+        + (f" (default: {default_metrics_port})" if default_metrics_port else ""),
     )
     telemetry.add_argument(
         "--metrics-host",
@@ -78,13 +72,32 @@ def _parser() -> argparse.ArgumentParser:
         help="Triton's flag, repeatable: mode=opentelemetry, rate=N (1 in N traced), "
         "opentelemetry,url=http://localhost:4318/v1/traces (default: the OTEL_* variables)",
     )
-    telemetry.add_argument(
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrion", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run an example pipeline and summarise it")
+    run.add_argument("example", help="a folder under examples/ (image_pipeline) or a path")
+    run.add_argument(
+        "-n", "--requests", type=int, help="number of requests (default: the example's)"
+    )
+    run.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
+    run.add_argument("--seed", type=int, default=0, help="seed of the input generator")
+    _server_options(run, default_metrics_port=None)
+    run.add_argument(
         "--linger",
         type=float,
         default=0.0,
         metavar="SECONDS",
         help="keep the server (and its metrics endpoint) up this long after the run",
     )
+    serve = commands.add_parser(
+        "serve",
+        help="load a model repository and keep it served (metrics, traces) until Ctrl-C",
+    )
+    serve.add_argument("--model-repository", required=True, type=Path)
+    _server_options(serve, default_metrics_port=8002)
     validate = commands.add_parser("validate", help="check a model repository, report every error")
     validate.add_argument("--model-repository", required=True, type=Path)
     return parser
@@ -97,6 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return _validate(args.model_repository, console)
+        if args.command == "serve":
+            options = _RunOptions(
+                cache=_cache_flags(args, console),
+                metrics_port=args.metrics_port,
+                metrics_host=args.metrics_host,
+                tracing=args.trace_config,
+                linger=0.0,
+            )
+            try:
+                return trio.run(_serve, args.model_repository, options, console)
+            except KeyboardInterrupt:
+                console.print("stopped")
+                return 0
         example = load_example(args.example)
         requests = args.requests if args.requests is not None else example.requests
         concurrency = args.concurrency if args.concurrency is not None else example.concurrency
@@ -204,6 +230,28 @@ async def _run(
             console.print(f"serving for {options.linger:g} s more (Ctrl-C to stop)")
             await trio.sleep(options.linger)
     return 1 if errors else 0
+
+
+async def _serve(repository: Path, options: _RunOptions, console: Console) -> int:
+    started = time.perf_counter()
+    async with open_server(
+        repository,
+        cache_config=options.cache,
+        metrics_port=options.metrics_port,
+        metrics_host=options.metrics_host,
+        tracing=options.tracing,
+    ) as server:
+        names = server.model_names()
+        console.print(
+            f"serving {len(names)} models from {repository} "
+            f"(loaded in {time.perf_counter() - started:.1f} s): {', '.join(names)}",
+            highlight=False,
+        )
+        if server.metrics_url is not None:
+            console.print(f"metrics at {server.metrics_url}", highlight=False)
+        console.print("Ctrl-C to stop")
+        await trio.sleep_forever()
+    return 0  # pragma: no cover (sleep_forever ends only by an exception)
 
 
 async def _drive(
