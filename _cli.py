@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import time
 import warnings
@@ -118,11 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tracing=args.trace_config,
                 linger=0.0,
             )
-            try:
-                return trio.run(_serve, args.model_repository, options, console)
-            except KeyboardInterrupt:
-                console.print("stopped")
-                return 0
+            return trio.run(_serve, args.model_repository, options, console)
         example = load_example(args.example)
         requests = args.requests if args.requests is not None else example.requests
         concurrency = args.concurrency if args.concurrency is not None else example.concurrency
@@ -249,9 +246,14 @@ async def _serve(repository: Path, options: _RunOptions, console: Console) -> in
         )
         if server.metrics_url is not None:
             console.print(f"metrics at {server.metrics_url}", highlight=False)
-        console.print("Ctrl-C to stop")
-        await trio.sleep_forever()
-    return 0  # pragma: no cover (sleep_forever ends only by an exception)
+        console.print("Ctrl-C (SIGINT) or SIGTERM to stop")
+        # The signal ends the block normally: what is running finishes, then everything closes.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for number in signals:
+                console.print(f"{signal.Signals(number).name}: stopping")
+                break
+    console.print("stopped")
+    return 0
 
 
 async def _drive(
