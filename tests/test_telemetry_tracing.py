@@ -307,3 +307,41 @@ async def test_bad_trace_flags_stop_the_server() -> None:
         async with orchestrion.open_server(models=pipeline(), tracing=["opentelemetry,x=1"]):
             pass
     await trio.lowlevel.checkpoint()
+
+
+async def test_otlp_grpc_export_reaches_a_collector() -> None:
+    """opentelemetry,protocol=grpc exports to a gRPC TraceService on loopback."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        flags = [
+            "mode=opentelemetry",
+            "opentelemetry,protocol=grpc",
+            f"opentelemetry,url=127.0.0.1:{port}",  # no scheme: plain text, as over HTTP
+        ]
+        async with orchestrion.open_server(models=pipeline(), tracing=flags) as orch:
+            await orch.infer("pipe", {"IN": X})
+    finally:
+        server.stop(grace=None).wait(timeout=10)
+    names = sorted(
+        span.name
+        for request in received
+        for resource in request.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    )
+    assert names == ["InferRequest", "a", "b", "compute", "compute"]
