@@ -176,7 +176,9 @@ class AsyncServer:
             timeout=timeout,
         )
         if traceparent is not None and self._registry.tracing is not None:
-            request = request.with_trace(extract_traceparent(traceparent))
+            parent = extract_traceparent(traceparent)
+            if trace.get_current_span(parent).get_span_context().is_valid:
+                request = request.with_trace(parent)  # a malformed header is ignored
         if request.timeout is None:
             return await self._registry.infer(request, strict_outputs=True)
         with trio.move_on_after(request.timeout):

@@ -88,6 +88,15 @@ def _check_requested(request: InferRequest, response: InferResponse) -> None:
         )
 
 
+def _keep_counting(old: StatsRecorder, runner: Runner) -> None:
+    """A reloaded version keeps counting where the old one is (Prometheus counters never go
+    backwards); the old runner's last requests still count on the same recorder."""
+    old.load_ns = runner.stats.load_ns
+    old.cache_enabled = runner.stats.cache_enabled
+    old.is_ensemble = runner.stats.is_ensemble
+    runner.stats = old
+
+
 def _caches(config: ModelConfig) -> bool:
     cache = config.response_cache
     return cache is not None and cache.enable
@@ -344,7 +353,8 @@ class ModelRegistry:
                         looking + flight.lookup_ns,
                         {"orchestrion.cache.hit": hit, "orchestrion.cache.shared": flight.shared},
                     )
-                runner.stats.cache_looked_up(hit, flight.lookup_ns)
+                # A shared result's wait is the other request's model run, not a lookup.
+                runner.stats.cache_looked_up(hit, 0 if flight.shared else flight.lookup_ns)
                 if self.observer is not None:
                     self.observer.cache_looked_up(
                         runner.config.name, runner.version, request, hit, flight.lookup_ns
@@ -399,7 +409,11 @@ class ModelRegistry:
         Raises:
             the errors of `infer`.
         """
-        runner, request = self._admit(request, from_ensemble=True)
+        try:
+            runner, request = self._admit(request, from_ensemble=True)
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
         return self._run_now(runner, request)
 
     def _run_now(self, runner: Runner, request: InferRequest) -> InferResponse:
@@ -486,6 +500,10 @@ class ModelRegistry:
             raise
         old = {name: self._runners.get(name, {}) for name in started}
         for name, runners in started.items():
+            for version, fresh in runners.items():
+                replaced = old[name].get(version)
+                if replaced is not None:
+                    _keep_counting(replaced.stats, fresh)
             self._runners[name] = runners
         await self._close_runners(old)
 

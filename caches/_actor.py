@@ -141,6 +141,8 @@ class CacheActor:
             await done.wait()
             if leader.entry is not None:
                 self.coalesced += 1
+                self.lookups += 1  # answered by the cache layer: a hit, like any other
+                self.hits += 1
                 return Flight(
                     self,
                     key,

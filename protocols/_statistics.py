@@ -104,7 +104,8 @@ class CacheStatistics:
     misses: int = 0
     """Lookups that found nothing usable (errors and skipped lookups while down included)."""
     coalesced: int = 0
-    """Requests that waited for an identical request's result instead of running the model."""
+    """Hits that waited for an identical running request's result (counted in ``hits`` and
+    ``lookups`` too)."""
     insertions: int = 0
     insert_failures: int = 0
     """Insertions lost: the backend failed, or the insert queue was full."""

@@ -72,7 +72,10 @@ async def open_metrics_endpoint(
     config.accesslog = None
     config.errorlog = _log
     config.graceful_timeout = 1.0
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics port {port} is not a TCP port (0-65535; 0: any free port)")
     error: BaseException | None = None
+    bind_error: OSError | None = None
     async with trio.open_nursery() as nursery:
         app: Any = metrics_app(registry)
         try:
@@ -80,21 +83,21 @@ async def open_metrics_endpoint(
                 lambda task_status: serve(app, config, mode="asgi", task_status=task_status)
             )
         except BaseException as exc:  # hypercorn's own nurseries wrap a bind error
-            error = exc
+            bind_error = _os_error(exc)
+            if bind_error is None:
+                error = exc
         else:
             try:
                 yield f"{binds[0]}/metrics"
-            except BaseException as exc:
+            except BaseException as exc:  # the caller's: leaves as itself
                 error = exc
         nursery.cancel_scope.cancel()
-    if error is None:
-        return
-    bind_error = _os_error(error)
     if bind_error is not None:
         raise ConfigError(
             f"cannot serve metrics on {host}:{port}: {bind_error.strerror or bind_error}"
         ) from bind_error
-    raise error
+    if error is not None:
+        raise error
 
 
 def _os_error(error: BaseException) -> OSError | None:

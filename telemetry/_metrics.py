@@ -96,7 +96,7 @@ class ServerMetrics(Collector):
                 f"nv_inference_{key}_duration_us", f"Total {what}, microseconds", "counter"
             )
             for key, what in (
-                ("request", "request time"),
+                ("request", "time of successful requests"),
                 ("queue", "time queued for an instance"),
                 ("compute_input", "input handling time"),
                 ("compute_infer", "execute time"),
@@ -118,7 +118,7 @@ class ServerMetrics(Collector):
                 pending.name, labels, 0 if s.is_ensemble else s.pending_request_count
             )
             values = {
-                "request": stats.success.ns + stats.fail.ns,
+                "request": stats.success.ns,  # as in Triton: successes (hits included)
                 "queue": stats.queue.ns,
                 "compute_input": stats.compute_input.ns,
                 "compute_infer": stats.compute_infer.ns,

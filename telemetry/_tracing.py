@@ -35,6 +35,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from ..protocols import ConfigError, InferRequest, TraceConfig, failure_reason
 
 INSTRUMENTATION = "orchestrion"
+EXPORT_TIMEOUT_S = 2.0
+"""How long one export may take, retries included, unless ``OTEL_EXPORTER_OTLP_TIMEOUT``
+says otherwise (the SDK's default, 10 s, would hold a server's exit that long)."""
 _PROPAGATOR = TraceContextTextMapPropagator()
 UNSAMPLED = object()
 """The `InferRequest.trace` of a request the sampler left out: its parts make no spans."""
@@ -169,15 +172,19 @@ def make_exporter(config: TraceConfig) -> SpanExporter:
     url = config.url
     if url is not None and "://" not in url:
         url = "http://" + url  # Triton's examples give host:port/v1/traces (plain text)
+    # A collector that is down must not hold the server's exit for the SDK's 10 s of retries.
+    timeout = None
+    if not any(os.environ.get(f"OTEL_EXPORTER_OTLP_{part}TIMEOUT") for part in ("TRACES_", "")):
+        timeout = EXPORT_TIMEOUT_S
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
 
-        return GrpcExporter(endpoint=url) if url else GrpcExporter()
+        return GrpcExporter(endpoint=url, timeout=timeout)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter(endpoint=url) if url else OTLPSpanExporter()
+    return OTLPSpanExporter(endpoint=url, timeout=timeout)
 
 
 def make_tracer_provider(
