@@ -44,6 +44,7 @@ from ..protocols import (
     apply_reshape,
 )
 from ..telemetry import RequestTracing
+from ._batcher import BatchQueue, join_inputs, padded_sizes, rows_of, split_outputs
 from ._definition import Model, takes_request
 from ._stats import StatsRecorder
 
@@ -70,6 +71,14 @@ class _Work:
         self.abandoned = True
         if self.scope is not None:
             self.scope.cancel()
+
+
+@attrs.define(eq=False, slots=True)
+class _Batch:
+    """Requests that run as one execution, and the batch's place in arrival order."""
+
+    sequence: int
+    works: list[_Work]
 
 
 @attrs.define(eq=False)
@@ -120,6 +129,16 @@ class ModelRunner:
     _receive: trio.MemoryReceiveChannel[_Work] = attrs.field(init=False)
     instances: list[_Instance] = attrs.field(init=False, factory=list)
     _queued: int = attrs.field(init=False, default=0)
+    _batching: BatchQueue | None = attrs.field(init=False, default=None)
+    """The queue of a model with dynamic batching (None: one request per execution)."""
+    _sizes: tuple[int, ...] = attrs.field(init=False, default=())
+    """Batch sizes a jitted batching model pads to (all compiled at load)."""
+    _formed: int = attrs.field(init=False, default=0)
+    """Batches formed so far (their sequence numbers)."""
+    _released: int = attrs.field(init=False, default=0)
+    """preserve_ordering: the next batch whose requests may be answered."""
+    _held: dict[int, list[_Work]] = attrs.field(init=False, factory=dict)
+    """preserve_ordering: answered batches waiting for an earlier one, by sequence number."""
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
     _input_names: tuple[str, ...] = attrs.field(init=False)
@@ -145,6 +164,10 @@ class ModelRunner:
         )
         self._with_params = self.model.initialize is not None
         self._takes_request = takes_request(self.model)
+        # A model taking `request` sees one request's metadata: it is not batched.
+        if config.dynamic_batching and config.max_batch_size > 0 and not self._takes_request:
+            self._batching = BatchQueue(config)
+            self._sizes = padded_sizes(config) if self.model.jit else ()
         self._plain_arguments = (
             self.model.jit
             and not self._takes_request
@@ -206,6 +229,8 @@ class ModelRunner:
         if not self.model.jit or any(-1 in t.dims for t in config.input):
             return  # shapes unknown until requests arrive: compiled on first use
         batches = sorted({1, config.max_batch_size}) if config.max_batch_size > 0 else [0]
+        if self._sizes:  # a batching model pads to these sizes: none compiles under load
+            batches = list(self._sizes)
         try:
             for batch in reversed(batches):
                 lead = (batch,) if batch else ()
@@ -240,9 +265,22 @@ class ModelRunner:
         instances = await trio.to_thread.run_sync(self._prepare_instances)
         self.instances = instances
         async with trio.open_nursery() as nursery:
-            async with self._receive:
-                for instance in instances:
-                    await nursery.start(self._serve_instance, instance, self._receive.clone())
+            if self._batching is not None:
+                # The batcher owns the model's queue and hands whole batches to instances.
+                batch_send, batch_receive = trio.open_memory_channel[_Batch](0)
+                # A batch forms only when an instance is free for it, so the queue (and its
+                # priorities) decides what runs next, not a batch formed earlier.
+                idle = trio.Semaphore(len(instances))
+                async with batch_receive:
+                    for instance in instances:
+                        await nursery.start(
+                            self._serve_batches, instance, batch_receive.clone(), idle
+                        )
+                await nursery.start(self._serve_batcher, self._receive, batch_send, idle)
+            else:
+                async with self._receive:
+                    for instance in instances:
+                        await nursery.start(self._serve_instance, instance, self._receive.clone())
             task_status.started()
 
     def close(self) -> None:
@@ -405,7 +443,9 @@ class ModelRunner:
                     work.error = ServerClosedError("the server is shutting down")
                     work.done.set()
 
-    async def _run_work(self, instance: _Instance, work: _Work) -> None:
+    async def _run_work(
+        self, instance: _Instance, work: _Work, inferences: int | None = None
+    ) -> None:
         instance.busy = True
         started = time.perf_counter_ns()
         result: tuple[Tensors, int, int, int] | None = None
@@ -439,7 +479,7 @@ class ModelRunner:
             instance.compiled.add(signature)
         if result is not None:
             work.outputs = result[0]
-        batch = batch_size(self.model.config.max_batch_size, work.request.inputs)
+        batch = inferences or batch_size(self.model.config.max_batch_size, work.request.inputs)
         elapsed = time.perf_counter_ns() - started
         # A compilation says nothing about how long executions take.
         queue_ns = started - work.enqueued_ns
@@ -448,11 +488,186 @@ class ModelRunner:
         )
         work.done.set()
 
+    # -- dynamic batching -----------------------------------------------------------------
+
+    async def _serve_batcher(
+        self,
+        receive: trio.MemoryReceiveChannel[_Work],
+        send: trio.MemorySendChannel[_Batch],
+        idle: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Gather queued requests into batches and hand each to the next free instance."""
+        queue = self._batching
+        assert queue is not None
+        batching = self.model.config.dynamic_batching
+        assert batching is not None
+        delay = batching.max_queue_delay_microseconds / 1e6
+        ended = False
+        async with receive, send:
+            task_status.started()
+            try:
+                while not ended or len(queue):
+                    if not len(queue):
+                        try:
+                            queue.push(await receive.receive())
+                        except trio.EndOfChannel:
+                            break
+                    await idle.acquire()  # released by the instance when the batch is done
+                    ended = self._drain_into(receive, queue) or ended  # priorities see all
+                    deadline = trio.current_time() + delay
+                    while not ended and not queue.full():
+                        try:
+                            queue.push(receive.receive_nowait())
+                            continue
+                        except trio.WouldBlock:
+                            pass
+                        except trio.EndOfChannel:
+                            ended = True
+                            break
+                        if trio.current_time() >= deadline:
+                            break
+                        with trio.move_on_at(deadline):
+                            try:
+                                queue.push(await receive.receive())
+                            except trio.EndOfChannel:
+                                ended = True
+                            continue
+                        break
+                    expired: list[_Work] = []
+                    before = len(queue)
+                    batch = queue.take(expired)
+                    self._queued -= before - len(queue)  # batched, expired or abandoned
+                    for work in expired:
+                        work.done.set()
+                    if not batch:
+                        idle.release()
+                    else:
+                        self._formed += 1
+                        # Waits for a free instance; arrivals meanwhile queue for the next.
+                        formed = _Batch(self._formed - 1, batch)
+                        try:
+                            await send.send(formed)
+                        except BaseException:
+                            for work in batch:  # not started: answered with the rest below
+                                queue.push_back(work)
+                            raise
+                        queue.started(batch)
+            finally:
+                # Stopped from outside: answer what is still queued (no caller waits forever).
+                for work in queue.drain():
+                    self._queued -= 1
+                    work.error = ServerClosedError("the server is shutting down")
+                    work.done.set()
+
+    @staticmethod
+    def _drain_into(receive: trio.MemoryReceiveChannel[_Work], queue: BatchQueue) -> bool:
+        """Move every request waiting in the channel into the queue; True if it ended."""
+        while True:
+            try:
+                queue.push(receive.receive_nowait())
+            except trio.WouldBlock:
+                return False
+            except trio.EndOfChannel:
+                return True
+
+    async def _serve_batches(
+        self,
+        instance: _Instance,
+        receive: trio.MemoryReceiveChannel[_Batch],
+        idle: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with receive:
+            task_status.started()
+            try:
+                async for batch in receive:
+                    try:
+                        await self._run_batch(instance, batch)
+                    finally:
+                        idle.release()
+            finally:
+                while True:
+                    try:
+                        batch = receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                        break
+                    for work in batch.works:
+                        work.error = ServerClosedError("the server is shutting down")
+                    self._answer(batch.sequence, batch.works)
+
+    async def _run_batch(self, instance: _Instance, batch: _Batch) -> None:
+        """Run a batch as one execution and give each request its rows of the outputs."""
+        queue = self._batching
+        assert queue is not None
+        works = []
+        for work in batch.works:
+            if work.abandoned:
+                continue
+            if queue.overdue(work):  # it waited for this instance past its queue policy
+                queue.expire(work, self.model.name)
+                work.done.set()
+                continue
+            works.append(work)
+        if not works:
+            self._answer(batch.sequence, [])
+            return
+        rows = [rows_of(w.request) for w in works]
+        total = sum(rows)
+        padded = next((size for size in self._sizes if size >= total), total)
+        first = works[0].request
+        joined = first.derive(
+            model_name=first.model_name,
+            model_version=first.model_version,
+            inputs=join_inputs([w.request for w in works], padded),
+            requested_outputs=None,
+        )
+        combined = _Work(request=joined, enqueued_ns=min(w.enqueued_ns for w in works))
+        try:
+            await self._run_work(instance, combined, inferences=total)
+        finally:
+            self._deliver(works, rows, combined)
+            self._answer(batch.sequence, works)
+
+    def _answer(self, sequence: int, works: list[_Work]) -> None:
+        """Wake the batch's requesters; with preserve_ordering, only once every earlier
+        batch has been answered (a later batch that finished first waits)."""
+        batching = self.model.config.dynamic_batching
+        if batching is None or not batching.preserve_ordering:
+            for work in works:
+                work.done.set()
+            return
+        self._held[sequence] = works
+        while self._released in self._held:
+            for work in self._held.pop(self._released):
+                work.done.set()
+            self._released += 1
+
+    def _deliver(self, works: list[_Work], rows: list[int], combined: _Work) -> None:
+        parts: list[dict[str, Any]] | None = None
+        error = combined.error
+        if error is None and combined.outputs is not None:
+            try:
+                parts = split_outputs(combined.outputs, rows)
+            except ValueError as exc:
+                error = InferenceError(
+                    f"model '{self.model.name}' (version {self.model.version}) returned a "
+                    f"bad batched result: {exc}",
+                    model_name=self.model.name,
+                )
+        for index, work in enumerate(works):
+            if parts is not None:
+                work.outputs = parts[index]
+            else:
+                work.error = error or ServerClosedError("the server is shutting down")
+
     def ready_now(self, inputs: Tensors) -> bool:
         """Whether `infer_now` can run these inputs at once: nobody is queued ahead and an
         inline instance is idle, with ``execute`` already compiled for these shapes (a
         compilation can take a second: it never runs on the event loop)."""
-        if self._is_async or self._queued:
+        if self._is_async or self._queued or self._batching is not None:
             return False
         return self._idle_instance(inputs) is not None
 
@@ -495,10 +710,14 @@ class ModelRunner:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
+        if self._batching is not None:
+            self._batching.admit(request)
         work = _Work(request=request, enqueued_ns=time.perf_counter_ns())
         try:
             self._send.send_nowait(work)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
+            if self._batching is not None:
+                self._batching.withdraw(request)
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
         self._queued += 1
         try:

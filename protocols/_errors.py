@@ -81,3 +81,11 @@ class CacheUnavailableError(OrchestrionError, ConnectionError):
     The operator's fault or the network's. At start-up it stops the server; at run time the
     cache actor catches it, logs it once per outage and serves requests uncached.
     """
+
+
+class QueueFullError(OrchestrionError, RuntimeError):
+    """A model's queue is full (``dynamic_batching`` ``max_queue_size``): the request was
+    refused without running, to shed load.
+
+    Nobody's fault in particular: retry later, or raise the limit.
+    """
