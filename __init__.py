@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .protocols import ModelStatistics as ModelStatistics
     from .protocols import Observer as Observer
     from .protocols import OrchestrionError as OrchestrionError
+    from .protocols import QueueFullError as QueueFullError
     from .protocols import ServerClosedError as ServerClosedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
@@ -70,6 +71,7 @@ _WHERE = {
             "ModelStatistics",
             "Observer",
             "OrchestrionError",
+            "QueueFullError",
             "ServerClosedError",
             "StepStatistics",
             "TensorConfig",

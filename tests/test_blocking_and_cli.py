@@ -119,6 +119,7 @@ def test_public_names() -> None:
             "ModelStatistics",
             "Observer",
             "OrchestrionError",
+            "QueueFullError",
             "ResponseCache",
             "Server",
             "ServerClosedError",
