@@ -22,13 +22,14 @@ from typing import Any
 
 import attrs
 import numpy as np
+import trio
 
 from ..protocols import (
-    InferenceTimeoutError,
     InferRequest,
     ModelConfig,
     QueueFullError,
     QueuePolicy,
+    QueueTimeoutError,
     Tensors,
 )
 
@@ -64,15 +65,22 @@ def shape_key(request: InferRequest) -> tuple[Any, ...]:
 class _Entry:
     work: Any  # the runner's _Work (kept opaque here)
     level: int
+    order: int
+    """Arrival order (ties within a level; kept when an entry goes back to the queue)."""
     rows: int
     key: tuple[Any, ...]
-    enqueued: float
-    """``time.monotonic()`` at arrival (queue-policy timeouts)."""
+    arrived: float
+    """``trio.current_time()`` at arrival: ``max_queue_delay_microseconds`` counts from it."""
 
 
 @attrs.define(eq=False)
 class BatchQueue:
-    """The requests a batching model has accepted and not yet started."""
+    """The requests a batching model has accepted and not yet started.
+
+    Every admitted work item is *counted* against its priority level (what
+    ``max_queue_size`` bounds) until an instance starts it, it expires, or its requester
+    gives up (`withdraw`): each path uncounts it exactly once.
+    """
 
     config: ModelConfig
     _heap: list[tuple[int, int, _Entry]] = attrs.field(factory=list)
@@ -100,15 +108,13 @@ class BatchQueue:
         assert batching is not None
         return batching.priority_queue_policy.get(str(level), batching.default_queue_policy)
 
-    def admit(self, request: InferRequest) -> None:
-        """Count a request in for its priority level, or refuse it when the level is full.
-
-        Every admitted request is counted until `take` or `drain` hands it out.
+    def admit(self, work: Any) -> None:
+        """Count a work item in for its priority level, or refuse it when the level is full.
 
         Raises:
             QueueFullError: ``max_queue_size`` requests of that level are already waiting.
         """
-        level = self.level(request)
+        level = self.level(work.request)
         policy = self.policy(level)
         waiting = self._per_level.get(level, 0)
         if policy is not None and 0 < policy.max_queue_size <= waiting:
@@ -117,34 +123,50 @@ class BatchQueue:
                 f"{policy.max_queue_size} requests waiting (max_queue_size)"
             )
         self._per_level[level] = waiting + 1
+        work.counted = True
 
-    def withdraw(self, request: InferRequest) -> None:
-        """Undo `admit` for a request that never reached the queue."""
-        self._per_level[self.level(request)] -= 1
+    def withdraw(self, work: Any) -> None:
+        """Uncount a work item that will not start (refused, abandoned, expired, drained)."""
+        if work.counted:
+            work.counted = False
+            self._per_level[self.level(work.request)] -= 1
+
+    def started(self, works: Iterable[Any]) -> None:
+        """An instance has taken these requests: they no longer wait."""
+        for work in works:
+            self.withdraw(work)
 
     def push(self, work: Any) -> None:
         """Queue an admitted work item (its ``request``), in priority then arrival order."""
         request: InferRequest = work.request
-        level = self.level(request)
         entry = _Entry(
             work=work,
-            level=level,
+            level=self.level(request),
+            order=next(self._count),
             rows=rows_of(request),
             key=shape_key(request),
-            enqueued=time.monotonic(),
+            arrived=trio.current_time(),
         )
-        heapq.heappush(self._heap, (level, next(self._count), entry))
+        self._push(entry)
 
-    def push_back(self, work: Any) -> None:
-        """Return a taken (still counted) work item to the queue."""
-        self.push(work)
+    def _push(self, entry: _Entry) -> None:
+        heapq.heappush(self._heap, (entry.level, entry.order, entry))
+
+    def push_back(self, works: Sequence[Any]) -> None:
+        """Return taken (still counted) work items to the queue, ahead of later arrivals."""
+        for work in works:
+            self.push(work)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def waiting(self, level: int) -> int:
-        """Requests of ``level`` in the queue (what ``max_queue_size`` bounds)."""
+        """Requests of ``level`` counted as waiting (what ``max_queue_size`` bounds)."""
         return self._per_level.get(level, 0)
+
+    def oldest_arrival(self) -> float | None:
+        """When the longest-waiting queued request arrived (None: the queue is empty)."""
+        return min((e.arrived for _, _, e in self._heap), default=None)
 
     def full(self) -> bool:
         """Whether the head's batch cannot grow (no point in waiting for more)."""
@@ -161,63 +183,54 @@ class BatchQueue:
 
         Abandoned work is dropped; work past its queue policy's timeout (``REJECT``) is
         appended to ``expired`` with its error set. The batch's requests still count as
-        waiting until `started` says an instance has them.
+        waiting until `started`.
         """
         batch: list[_Entry] = []
         rows = 0
-        keep: list[tuple[int, int, _Entry]] = []
+        keep: list[_Entry] = []
         key = None
-        now = time.monotonic()
         while self._heap:
-            item = heapq.heappop(self._heap)
-            entry = item[2]
+            entry = heapq.heappop(self._heap)[2]
             if entry.work.abandoned:
-                self._per_level[entry.level] -= 1
+                self.withdraw(entry.work)
                 continue
-            if self._expired(entry, now):
-                self._per_level[entry.level] -= 1
+            if self.overdue(entry.work):
+                self.withdraw(entry.work)
                 self.expire(entry.work, self.config.name)
                 expired.append(entry.work)
                 continue
             if key is None:
                 key = entry.key
             if entry.key != key or rows + entry.rows > self.max_rows:
-                keep.append(item)
+                keep.append(entry)
                 if rows >= self.max_rows:
                     break
                 continue
             batch.append(entry)
             rows += entry.rows
-        for item in keep:
-            heapq.heappush(self._heap, item)
+        for entry in keep:
+            self._push(entry)
         return [e.work for e in self._trim(batch)]
 
-    def started(self, works: Iterable[Any]) -> None:
-        """An instance has taken these requests: they no longer wait."""
-        for work in works:
-            self._per_level[self.level(work.request)] -= 1
-
     def _trim(self, batch: list[_Entry]) -> list[_Entry]:
-        """Cut the batch to the largest preferred size it can fill (the rest waits)."""
+        """Cut the batch, in order, to the longest prefix whose size is a preferred batch
+        size; with no such prefix the whole batch runs. Cut entries keep their place."""
         batching = self.config.dynamic_batching
-        preferred = sorted(batching.preferred_batch_size) if batching is not None else []
-        total = sum(e.rows for e in batch)
-        fitting = [p for p in preferred if p <= total]
-        if not fitting or total in preferred:
+        preferred = set(batching.preferred_batch_size) if batching is not None else set()
+        if not preferred:
             return batch
-        target = fitting[-1]
-        kept: list[_Entry] = []
+        cut = len(batch)
         rows = 0
-        for entry in batch:
-            if rows + entry.rows > target:
-                heapq.heappush(self._heap, (entry.level, next(self._count), entry))
-            else:
-                kept.append(entry)
-                rows += entry.rows
-        return kept
-
-    def _expired(self, entry: _Entry, now: float) -> bool:
-        return self.overdue(entry.work)
+        best = None
+        for index, entry in enumerate(batch):
+            rows += entry.rows
+            if rows in preferred:
+                best = index + 1
+        if best is not None:
+            cut = best
+        for entry in batch[cut:]:
+            self._push(entry)
+        return batch[:cut]
 
     def overdue(self, work: Any) -> bool:
         """Whether ``work`` has waited past its level's queue-policy timeout (``REJECT``)."""
@@ -232,17 +245,17 @@ class BatchQueue:
     @staticmethod
     def expire(work: Any, model_name: str) -> None:
         """Fail ``work`` for waiting too long."""
-        work.error = InferenceTimeoutError(
+        work.error = QueueTimeoutError(
             f"request for model '{model_name}' timed out in the queue "
             "(dynamic_batching queue policy)"
         )
 
     def drain(self) -> Iterable[Any]:
-        """Every work item still queued (the server is stopping)."""
+        """Every work item still queued (the server is stopping), uncounted."""
         while self._heap:
-            entry = heapq.heappop(self._heap)[2]
-            self._per_level[entry.level] -= 1
-            yield entry.work
+            work = heapq.heappop(self._heap)[2].work
+            self.withdraw(work)
+            yield work
 
 
 def join_inputs(requests: Sequence[InferRequest], padded: int) -> dict[str, np.ndarray[Any, Any]]:

@@ -19,6 +19,7 @@ fixes the choice per model.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -65,6 +66,8 @@ class _Work:
     error: BaseException | None = None
     abandoned: bool = False
     scope: trio.CancelScope | None = None
+    counted: bool = False
+    """Counted as waiting in a batching model's queue (see `BatchQueue.admit`)."""
 
     def abandon(self) -> None:
         """The requester went away: skip the work, or cancel it if it is running async."""
@@ -397,25 +400,28 @@ class ModelRunner:
         elapsed: int,
         batch: int,
         learn: bool = True,
-        request: InferRequest | None = None,
+        requests: list[InferRequest] | None = None,
         started: int = 0,
     ) -> None:
         if learn and not self._is_async:
             # The execution itself, not the trip to a worker thread and back.
             self._learn(instance, sum(result[1:]) if result is not None else elapsed)
+        count = len(requests) if requests else 1
         if result is not None:
-            self.stats.execution_finished(queue_ns, *result[1:])
+            self.stats.execution_finished(queue_ns, *result[1:], requests=count)
         else:
-            self.stats.execution_finished(queue_ns, 0, elapsed, 0)
+            self.stats.execution_finished(queue_ns, 0, elapsed, 0, requests=count)
         if self.observer is not None:
             self.observer.execution_finished(
                 self.model.name, self.model.version, batch, queue_ns, elapsed
             )
-        if self.tracing is not None and request is not None and self.tracing.traced(request):
-            attributes = {"orchestrion.batch_size": batch, "orchestrion.queue_us": queue_ns // 1000}
-            self.tracing.record(
-                "compute", request, started, started + elapsed, attributes, result is None
-            )
+        if self.tracing is not None and requests:
+            for request in requests:
+                if self.tracing.traced(request):
+                    attributes = {"orchestrion.batch_size": batch}
+                    self.tracing.record(
+                        "compute", request, started, started + elapsed, attributes, result is None
+                    )
 
     async def _serve_instance(
         self,
@@ -444,7 +450,11 @@ class ModelRunner:
                     work.done.set()
 
     async def _run_work(
-        self, instance: _Instance, work: _Work, inferences: int | None = None
+        self,
+        instance: _Instance,
+        work: _Work,
+        inferences: int | None = None,
+        members: list[_Work] | None = None,
     ) -> None:
         instance.busy = True
         started = time.perf_counter_ns()
@@ -482,10 +492,13 @@ class ModelRunner:
         batch = inferences or batch_size(self.model.config.max_batch_size, work.request.inputs)
         elapsed = time.perf_counter_ns() - started
         # A compilation says nothing about how long executions take.
-        queue_ns = started - work.enqueued_ns
-        self._record(
-            instance, queue_ns, result, elapsed, batch, not compiling, work.request, started
-        )
+        if members is None:
+            queue_ns = started - work.enqueued_ns
+            requests = [work.request]
+        else:  # a batch: each request's own wait, and a compute span under each request
+            queue_ns = sum(started - m.enqueued_ns for m in members)
+            requests = [m.request for m in members]
+        self._record(instance, queue_ns, result, elapsed, batch, not compiling, requests, started)
         work.done.set()
 
     # -- dynamic batching -----------------------------------------------------------------
@@ -516,7 +529,9 @@ class ModelRunner:
                             break
                     await idle.acquire()  # released by the instance when the batch is done
                     ended = self._drain_into(receive, queue) or ended  # priorities see all
-                    deadline = trio.current_time() + delay
+                    # The delay counts from the oldest request's arrival, not from now.
+                    oldest = queue.oldest_arrival()
+                    deadline = (oldest if oldest is not None else trio.current_time()) + delay
                     while not ended and not queue.full():
                         try:
                             queue.push(receive.receive_nowait())
@@ -550,12 +565,16 @@ class ModelRunner:
                         try:
                             await send.send(formed)
                         except BaseException:
-                            for work in batch:  # not started: answered with the rest below
-                                queue.push_back(work)
+                            # Not started: back in the queue, answered with the rest below.
+                            queue.push_back(batch)
+                            self._queued += len(batch)
                             raise
                         queue.started(batch)
             finally:
-                # Stopped from outside: answer what is still queued (no caller waits forever).
+                # Stopped from outside: answer what is still queued, in the channel too (no
+                # caller waits forever).
+                with contextlib.suppress(trio.ClosedResourceError):
+                    self._drain_into(receive, queue)
                 for work in queue.drain():
                     self._queued -= 1
                     work.error = ServerClosedError("the server is shutting down")
@@ -626,7 +645,7 @@ class ModelRunner:
         )
         combined = _Work(request=joined, enqueued_ns=min(w.enqueued_ns for w in works))
         try:
-            await self._run_work(instance, combined, inferences=total)
+            await self._run_work(instance, combined, inferences=total, members=works)
         finally:
             self._deliver(works, rows, combined)
             self._answer(batch.sequence, works)
@@ -700,7 +719,7 @@ class ModelRunner:
             instance.busy = False
             batch = batch_size(self.model.config.max_batch_size, request.inputs)
             elapsed = time.perf_counter_ns() - started
-            self._record(instance, 0, result, elapsed, batch, True, request, started)
+            self._record(instance, 0, result, elapsed, batch, True, [request], started)
         return self._response(request, result[0])
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -710,20 +729,22 @@ class ModelRunner:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
-        if self._batching is not None:
-            self._batching.admit(request)
         work = _Work(request=request, enqueued_ns=time.perf_counter_ns())
+        if self._batching is not None:
+            self._batching.admit(work)
         try:
             self._send.send_nowait(work)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             if self._batching is not None:
-                self._batching.withdraw(request)
+                self._batching.withdraw(work)
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
         self._queued += 1
         try:
             await work.done.wait()
         except BaseException:
             work.abandon()
+            if self._batching is not None:
+                self._batching.withdraw(work)  # frees its max_queue_size place at once
             raise
         if work.error is not None:
             raise work.error

@@ -21,6 +21,7 @@ class StatsRecorder:
     fail_ns: int = 0
     queue_count: int = 0
     queue_ns: int = 0
+    compute_count: int = 0
     input_ns: int = 0
     infer_ns: int = 0
     output_ns: int = 0
@@ -58,15 +59,25 @@ class StatsRecorder:
         self.last_inference_ms = time.time_ns() // 1_000_000
 
     def execution_finished(
-        self, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int
+        self,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        requests: int = 1,
     ) -> None:
-        """Count one run of ``execute``."""
+        """Count one run of ``execute`` for ``requests`` requests (a batch: more than one).
+
+        As in Triton, queue and compute statistics are per request: ``queue_ns`` is the sum
+        of the requests' waits, and each request is charged the execution's compute times.
+        """
         self.execution_count += 1
-        self.queue_count += 1
+        self.queue_count += requests
         self.queue_ns += queue_ns
-        self.input_ns += input_ns
-        self.infer_ns += infer_ns
-        self.output_ns += output_ns
+        self.compute_count += requests
+        self.input_ns += input_ns * requests
+        self.infer_ns += infer_ns * requests
+        self.output_ns += output_ns * requests
 
     def cache_looked_up(self, hit: bool, duration_ns: int) -> None:
         """Count one cache lookup: a hit's lookup time, or a miss's lookup + insert time."""
@@ -79,7 +90,7 @@ class StatsRecorder:
 
     def snapshot(self) -> ModelStatistics:
         """A frozen copy of the counters."""
-        n = self.execution_count
+        n = self.compute_count
         return ModelStatistics(
             name=self.name,
             version=self.version,

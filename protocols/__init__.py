@@ -50,6 +50,7 @@ from ._errors import ModelLoadError as ModelLoadError
 from ._errors import ModelNotFoundError as ModelNotFoundError
 from ._errors import OrchestrionError as OrchestrionError
 from ._errors import QueueFullError as QueueFullError
+from ._errors import QueueTimeoutError as QueueTimeoutError
 from ._errors import ServerClosedError as ServerClosedError
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse

@@ -89,3 +89,11 @@ class QueueFullError(OrchestrionError, RuntimeError):
 
     Nobody's fault in particular: retry later, or raise the limit.
     """
+
+
+class QueueTimeoutError(InferenceTimeoutError):
+    """A request waited in a model's queue past its ``dynamic_batching`` queue policy's
+    ``default_timeout_microseconds`` (``timeout_action: REJECT``) and was refused unrun.
+
+    Load: the model cannot keep up. Counted as a REJECTED failure, as in Triton.
+    """

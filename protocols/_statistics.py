@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from ._errors import InferenceError, InvalidRequestError, OrchestrionError
+from ._errors import InferenceError, InvalidRequestError, OrchestrionError, QueueTimeoutError
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 """Triton's ``reason`` label values of ``nv_inference_request_failure``."""
@@ -15,8 +15,8 @@ FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 def failure_reason(error: BaseException) -> str:
     """Triton's failure reason for ``error``: the caller's bad request was REJECTED, a
     cancellation or timeout CANCELED, a model's failure BACKEND, anything else OTHER."""
-    if isinstance(error, InvalidRequestError):
-        return "REJECTED"
+    if isinstance(error, InvalidRequestError | QueueTimeoutError):
+        return "REJECTED"  # the caller's bad request, or refused unrun by the scheduler
     if isinstance(error, TimeoutError) or not isinstance(error, Exception):
         return "CANCELED"  # trio.Cancelled is a BaseException; InferenceTimeoutError
     if isinstance(error, InferenceError):

@@ -33,8 +33,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["cache.py", "--quick"], ["µs", "GB/s", "lookups/s"]),
         # Starts its own OTLP receiver; telemetry off, metrics, tracing at 100% and 1%.
         (["telemetry.py", "--quick"], ["Spans per request", "µs", "req/s", "tracing 1%"]),
+        # No batching and three queue delays, plain JAX at batch 1 and 64; answers checked.
+        (["batching.py", "--quick"], ["req/s", "mean batch", "plain JAX", "target"]),
     ],
-    ids=["pipeline", "step_costs", "cache", "telemetry"],
+    ids=["pipeline", "step_costs", "cache", "telemetry", "batching"],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     """Each benchmark script completes and prints its tables."""
