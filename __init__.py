@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .protocols import Observer as Observer
     from .protocols import OrchestrionError as OrchestrionError
     from .protocols import QueueFullError as QueueFullError
+    from .protocols import QueueTimeoutError as QueueTimeoutError
     from .protocols import ServerClosedError as ServerClosedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
@@ -72,6 +73,7 @@ _WHERE = {
             "Observer",
             "OrchestrionError",
             "QueueFullError",
+            "QueueTimeoutError",
             "ServerClosedError",
             "StepStatistics",
             "TensorConfig",

@@ -120,6 +120,7 @@ def test_public_names() -> None:
             "Observer",
             "OrchestrionError",
             "QueueFullError",
+            "QueueTimeoutError",
             "ResponseCache",
             "Server",
             "ServerClosedError",
