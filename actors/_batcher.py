@@ -56,9 +56,9 @@ def rows_of(request: InferRequest) -> int:
 
 def shape_key(request: InferRequest) -> tuple[Any, ...]:
     """What must agree for two requests to share a batch: names, dtypes, per-item shapes."""
-    return tuple(
-        (name, array.dtype.str, array.shape[1:]) for name, array in sorted(request.inputs.items())
-    )
+    inputs = request.inputs
+    items = inputs.items() if len(inputs) < 2 else sorted(inputs.items())
+    return tuple((name, array.dtype, array.shape[1:]) for name, array in items)
 
 
 @attrs.define(eq=False)
@@ -86,6 +86,25 @@ class BatchQueue:
     _heap: list[tuple[int, int, _Entry]] = attrs.field(factory=list)
     _count: itertools.count[int] = attrs.field(factory=itertools.count)
     _per_level: dict[int, int] = attrs.field(factory=dict)
+    # Per-level settings, resolved once: these are consulted for every request.
+    _levels: int = attrs.field(init=False)
+    _default_level: int = attrs.field(init=False)
+    _limits: dict[int, int] = attrs.field(init=False, factory=dict)
+    _timeouts_ns: dict[int, int] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        batching = self.config.dynamic_batching
+        assert batching is not None
+        self._levels = batching.priority_levels
+        self._default_level = batching.default_priority_level if self._levels else 1
+        for level in range(1, max(self._levels, 1) + 1):
+            policy = self.policy(level)
+            if policy is None:
+                continue
+            if policy.max_queue_size > 0:
+                self._limits[level] = policy.max_queue_size
+            if policy.default_timeout_microseconds > 0 and policy.timeout_action == "REJECT":
+                self._timeouts_ns[level] = policy.default_timeout_microseconds * 1000
 
     @property
     def max_rows(self) -> int:
@@ -94,13 +113,11 @@ class BatchQueue:
 
     def level(self, request: InferRequest) -> int:
         """The request's priority level (1 is the highest; 0 asks for the default)."""
-        batching = self.config.dynamic_batching
-        assert batching is not None
-        if not batching.priority_levels:
+        if not self._levels:
             return 1
-        if 1 <= request.priority <= batching.priority_levels:
+        if 1 <= request.priority <= self._levels:
             return request.priority
-        return batching.default_priority_level
+        return self._default_level
 
     def policy(self, level: int) -> QueuePolicy | None:
         """The queue policy of a priority level."""
@@ -115,21 +132,22 @@ class BatchQueue:
             QueueFullError: ``max_queue_size`` requests of that level are already waiting.
         """
         level = self.level(work.request)
-        policy = self.policy(level)
         waiting = self._per_level.get(level, 0)
-        if policy is not None and 0 < policy.max_queue_size <= waiting:
+        limit = self._limits.get(level)
+        if limit is not None and waiting >= limit:
             raise QueueFullError(
                 f"Exceeds maximum queue size: model '{self.config.name}' has "
-                f"{policy.max_queue_size} requests waiting (max_queue_size)"
+                f"{limit} requests waiting (max_queue_size)"
             )
         self._per_level[level] = waiting + 1
+        work.level = level
         work.counted = True
 
     def withdraw(self, work: Any) -> None:
         """Uncount a work item that will not start (refused, abandoned, expired, drained)."""
         if work.counted:
             work.counted = False
-            self._per_level[self.level(work.request)] -= 1
+            self._per_level[work.level] -= 1
 
     def started(self, works: Iterable[Any]) -> None:
         """An instance has taken these requests: they no longer wait."""
@@ -141,7 +159,7 @@ class BatchQueue:
         request: InferRequest = work.request
         entry = _Entry(
             work=work,
-            level=self.level(request),
+            level=work.level,
             order=next(self._count),
             rows=rows_of(request),
             key=shape_key(request),
@@ -234,13 +252,13 @@ class BatchQueue:
 
     def overdue(self, work: Any) -> bool:
         """Whether ``work`` has waited past its level's queue-policy timeout (``REJECT``)."""
-        policy = self.policy(self.level(work.request))
-        if policy is None or policy.default_timeout_microseconds <= 0:
+        if not self._timeouts_ns:
             return False
-        if policy.timeout_action != "REJECT":
+        limit = self._timeouts_ns.get(work.level)
+        if limit is None:
             return False
         waited_ns: int = time.perf_counter_ns() - work.enqueued_ns
-        return waited_ns > policy.default_timeout_microseconds * 1000
+        return waited_ns > limit
 
     @staticmethod
     def expire(work: Any, model_name: str) -> None:

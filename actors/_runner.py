@@ -68,6 +68,8 @@ class _Work:
     scope: trio.CancelScope | None = None
     counted: bool = False
     """Counted as waiting in a batching model's queue (see `BatchQueue.admit`)."""
+    level: int = 1
+    """Its priority level in a batching model's queue."""
 
     def abandon(self) -> None:
         """The requester went away: skip the work, or cancel it if it is running async."""

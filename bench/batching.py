@@ -36,6 +36,10 @@ Measurements run interleaved, the order of the variants rotated each repeat, R t
 table shows the median over repeats of the throughput, of ``µs/row`` (one second over the
 throughput: on one event loop, about the CPU time of one request), of the p50 and p99
 latencies and of the mean batch, and ``÷ (a)``, the median throughput over that of (a).
+``execute µs/row`` is the time inside the model (the jitted call and ``np.asarray``) per row:
+for (a)–(d) from ``compute_infer`` in the model's statistics (its mean per execution times
+the executions, over the rows), for (e) and (f) the timed calls; ``µs/row`` minus it, printed
+under the table, is what orchestrion itself costs per request.
 Before any timing, every variant's answers (eight distinct rows sent at once) are checked
 against the reference computed with numpy in float64.
 
