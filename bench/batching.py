@@ -60,7 +60,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import trio
+from _common import table
 
 import orchestrion
 from orchestrion.protocols import DynamicBatching, ModelConfig
@@ -96,22 +97,6 @@ PLAIN: dict[str, tuple[str, int]] = {
     "jax64": (f"(f) plain JAX, batch {MAX_BATCH}", MAX_BATCH),
 }
 VARIANTS = (*SERVED, *PLAIN)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """Columns padded to fit; the first ``left`` columns left-aligned, the others right."""
-    cells = [list(header), *(list(r) for r in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    lines = []
-    for number, line in enumerate(cells):
-        parts = [
-            cell.ljust(width) if i < left else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
-        ]
-        lines.append("  ".join(parts).rstrip())
-        if number == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -347,7 +332,7 @@ def report(samples: dict[str, list[Sample]], concurrency: int) -> None:
         "mean batch",
         "÷ (a)",
     )
-    print(_table(header, rows))
+    print(table(header, rows))
     print(
         "execute µs/row: time inside the model (jitted call + np.asarray) per row; for (e) "
         "and (f),\nreq/s is rows per second and p50, p99 the latency of one call (of "

@@ -47,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ import numpy as np
 import redis
 import trio
 import xxhash
+from _common import calibrate, table
 
 import orchestrion
 from orchestrion.caches import CacheActor, RedisCache, open_cache, open_cache_actor
@@ -76,22 +77,6 @@ INLINE = {"execution": "inline"}
 LOCAL_SIZE = 256 * 1024 * 1024  # no evictions: a miss costs a lookup and an insert, no more
 PIPELINE = "pipe"
 IDENTITY = "identity"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """Columns padded to fit; the first ``left`` columns left-aligned, the others right."""
-    cells = [list(header), *(list(r) for r in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    lines = []
-    for number, line in enumerate(cells):
-        parts = [
-            cell.ljust(width) if i < left else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
-        ]
-        lines.append("  ".join(parts).rstrip())
-        if number == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -298,7 +283,7 @@ def section_latency(redis_port: int, n: int, warmup: int, repeats: int) -> None:
                 f"{p50[variant] / p50['none']:.2f}",
             )
         )
-    print(_table(("variant", "hits", "p50 µs", "p99 µs", "÷ (a)"), rows, left=1))
+    print(table(("variant", "hits", "p50 µs", "p99 µs", "÷ (a)"), rows, left=1))
     gap = p50["local_hit"] - p50["direct"]
     verdict = "met" if gap <= 15 else "NOT met"
     print(
@@ -338,20 +323,6 @@ def hashers(array: np.ndarray) -> dict[str, Callable[[], object]]:
     }
 
 
-def calibrate(fn: Callable[[], object], batch_seconds: float) -> int:
-    """How many calls of ``fn`` take about ``batch_seconds`` (at least one)."""
-    fn()
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        took = time.perf_counter() - start
-        if took >= batch_seconds or calls >= 1 << 22:
-            return calls
-        calls = max(calls * 2, int(calls * batch_seconds / max(took, 1e-9)))
-
-
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
     """The time of one call of ``fn``, averaged over a batch of ``calls``."""
     start = time.perf_counter()
@@ -381,13 +352,13 @@ def section_hashing(budget: float) -> None:
         (name, *(f"{nbytes / cost / 1e9:,.2f}" for nbytes, cost in per_size.items()))
         for name, per_size in results.items()
     ]
-    print(_table(header, rows))
+    print(table(header, rows))
     print("\nµs per call")
     rows = [
         (name, *(f"{cost * 1e6:,.2f}" for cost in per_size.values()))
         for name, per_size in results.items()
     ]
-    print(_table(header, rows))
+    print(table(header, rows))
     key = results["cache_key (xxh3-128 + key)"]
     raw = results["xxhash.xxh3_128"]
     print(
@@ -634,7 +605,7 @@ def section_redis(port: int, seconds: float, repeats: int) -> None:
                     ratio,
                 )
             )
-    print(_table(("variant", "callers", "lookups/s", "p50 µs", "p99 µs", "a ÷ b"), rows))
+    print(table(("variant", "callers", "lookups/s", "p50 µs", "p99 µs", "a ÷ b"), rows))
     batched = median("actor", 16, lambda r: r.per_second)
     verdict = "met" if batched >= 20_000 else "NOT met"
     others = ", ".join(

@@ -70,6 +70,7 @@ import numpy as np
 import opentelemetry.sdk.version
 import prometheus_client
 import trio
+from _common import calibrate, table
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -107,22 +108,6 @@ VARIANTS: dict[str, Variant] = {
     "trace_all": Variant("(c) metrics + tracing 100%", True, 1),
     "trace_1pct": Variant("(d) metrics + tracing 1%", True, 100),
 }
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """Columns padded to fit; the first ``left`` columns left-aligned, the others right."""
-    cells = [list(header), *(list(r) for r in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    lines = []
-    for number, line in enumerate(cells):
-        parts = [
-            cell.ljust(width) if i < left else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
-        ]
-        lines.append("  ".join(parts).rstrip())
-        if number == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -377,7 +362,7 @@ def section_spans(receiver: Receiver, requests: int) -> tuple[float, tuple[Reada
         f"\n1. Spans per request, every request sampled ({requests} sequential requests into "
         f"an InMemorySpanExporter): {per_request:g}"
     )
-    print(_table(("span", "per request"), [(n, f"{c / requests:g}") for n, c in names.items()]))
+    print(table(("span", "per request"), [(n, f"{c / requests:g}") for n, c in names.items()]))
     print(
         f"answers match numpy; metrics_text() and {text.count(chr(10))} lines from the "
         f"endpoint agree; the OTLP/HTTP exporter delivered all {exported} spans to "
@@ -387,20 +372,6 @@ def section_spans(receiver: Receiver, requests: int) -> tuple[float, tuple[Reada
 
 
 # -- 2. unit costs ---------------------------------------------------------------------------
-
-
-def calibrate(fn: Callable[[], object], batch_seconds: float) -> int:
-    """How many calls of ``fn`` take about ``batch_seconds`` (at least one)."""
-    fn()
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        took = time.perf_counter() - start
-        if took >= batch_seconds or calls >= 1 << 22:
-            return calls
-        calls = max(calls * 2, int(calls * batch_seconds / max(took, 1e-9)))
 
 
 def fastest_us(fn: Callable[[], object], budget: float) -> float:
@@ -542,7 +513,7 @@ def section_unit_costs(
             f"{costs.otlp_us:,.2f}",
         ),
     ]
-    print(_table(("operation", "µs"), rows))
+    print(table(("operation", "µs"), rows))
     print(
         f"a scrape every {SCRAPE_INTERVAL * 1e3:.0f} ms: "
         f"{costs.scrape_us / SCRAPE_INTERVAL / 1e4:.2f}% of the event loop's time"
@@ -623,7 +594,7 @@ def section_throughput(
         "Δ µs/req",
         "spans/req",
     )
-    print(_table(header, rows))
+    print(table(header, rows))
     print(
         "paired: the lowest and highest ratio to (a) of the same repeat; spans/req: spans the "
         "receiver got over the requests sent (warm-up included)"
