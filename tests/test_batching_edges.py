@@ -4,38 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import numpy as np
 import pytest
 import trio
 import trio.testing
+from test_batching import batching, plain, row
 
 import orchestrion
-from builders import model, outcome, tensor
-from orchestrion.protocols import DynamicBatching, QueuePolicy
+from builders import outcome
+from orchestrion.protocols import QueuePolicy
 
 ROW = (4,)
-
-
-def batching(definition: orchestrion.Model, **settings: Any) -> orchestrion.Model:
-    config = attrs.evolve(definition.config, dynamic_batching=DynamicBatching(**settings))
-    return attrs.evolve(definition, config=config)
-
-
-def plain(name: str, execute: Any, max_batch_size: int = 8, count: int = 1) -> orchestrion.Model:
-    return model(
-        name,
-        execute,
-        [tensor("X", dims=ROW)],
-        [tensor("Y", dims=ROW)],
-        jit=False,
-        max_batch_size=max_batch_size,
-        count=count,
-    )
-
-
-def row(value: float, rows: int = 1) -> np.ndarray:
-    return np.full((rows, *ROW), value, np.float32)
 
 
 def gated(gate: trio.Event, order: list[list[float]]) -> Any:
