@@ -38,6 +38,9 @@ class Model:
             (then ``jit`` must be False).
         initialize: optional ``initialize(config) -> params`` (a pytree), run once per
             instance; its result is passed as the first argument of ``execute``.
+        initial_state: for a stateful model (``sequence_batching``): ``initial_state(config)
+            -> state`` (a pytree), the state a sequence starts with (None when absent).
+            ``execute`` then takes a ``state`` parameter and returns ``(outputs, new_state)``.
         jit: compile ``execute`` with ``jax.jit`` (the default). False runs it as plain
             Python, for work JAX cannot trace (decoding bytes, strings, I/O).
         version: the version number this definition is served as.
@@ -48,6 +51,7 @@ class Model:
     config: ModelConfig
     execute: Callable[..., Any] | None = None
     initialize: Callable[[ModelConfig], Any] | None = None
+    initial_state: Callable[[ModelConfig], Any] | None = None
     jit: bool = True
     version: int = 1
     source: str = "<python>"
@@ -119,8 +123,13 @@ def check_model(model: Model) -> list[str]:
             f"{where}: model_transaction_policy.decoupled is not supported by this version "
             "of orchestrion"
         )
-    if config.sequence_batching is not None:
-        errors.append(f"{where}: sequence_batching is not supported by this version of orchestrion")
+    stateful = config.sequence_batching is not None
+    if stateful and config.dynamic_batching is not None:
+        errors.append(f"{in_config}: sequence_batching and dynamic_batching exclude each other")
+    if model.initial_state is not None and not stateful:
+        errors.append(
+            f"{where}: initial_state is for stateful models; the config has no sequence_batching"
+        )
     if model.jit and inspect.iscoroutinefunction(model.execute):
         errors.append(f"{where}: an async execute cannot be jitted; set JIT = False")
     if model.jit and bytes_tensors(config):
@@ -156,6 +165,14 @@ def check_model(model: Model) -> list[str]:
             return errors
         params.remove(positional[0])
     params = [p for p in params if p.name != "request"]
+    if stateful:
+        if "state" not in {p.name for p in params}:
+            errors.append(
+                f"{where}: a stateful model (sequence_batching) receives its sequence's state: "
+                f"execute({'params, ' if model.initialize else ''}state, "
+                f"{', '.join(t.name for t in config.input)}) -> (outputs, new_state)"
+            )
+        params = [p for p in params if p.name != "state"]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return errors
     accepted = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}

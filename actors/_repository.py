@@ -157,6 +157,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         config=config,
         execute=getattr(module, "execute", None),
         initialize=getattr(module, "initialize", None),
+        initial_state=getattr(module, "initial_state", None),
         jit=bool(getattr(module, "JIT", True)),
         version=version,
         source=str(path),

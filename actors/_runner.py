@@ -36,9 +36,11 @@ from ..protocols import (
     InferRequest,
     InferResponse,
     InstanceKind,
+    InvalidRequestError,
     ModelLoadError,
     ModelStatistics,
     Observer,
+    ParameterValue,
     ServerClosedError,
     TensorChecker,
     Tensors,
@@ -70,12 +72,26 @@ class _Work:
     """Counted as waiting in a batching model's queue (see `BatchQueue.admit`)."""
     level: int = 1
     """Its priority level in a batching model's queue."""
+    state: Any = None
+    """A stateful model's sequence state going in; ``new_state`` is what execute returned."""
+    new_state: Any = None
 
     def abandon(self) -> None:
         """The requester went away: skip the work, or cancel it if it is running async."""
         self.abandoned = True
         if self.scope is not None:
             self.scope.cancel()
+
+
+@attrs.define(eq=False)
+class _Sequence:
+    """One active sequence of a stateful model: its state, and the lock that keeps its
+    requests in order."""
+
+    state: Any
+    lock: trio.Lock = attrs.Factory(trio.Lock)
+    last_used: float = attrs.Factory(trio.current_time)
+    released: bool = False
 
 
 @attrs.define(eq=False, slots=True)
@@ -138,6 +154,11 @@ class ModelRunner:
     """The queue of a model with dynamic batching (None: one request per execution)."""
     _sizes: tuple[int, ...] = attrs.field(init=False, default=())
     """Batch sizes a jitted batching model pads to (all compiled at load)."""
+    _stateful: bool = attrs.field(init=False, default=False)
+    _sequences: dict[int | str, _Sequence] = attrs.field(init=False, factory=dict)
+    """A stateful model's active sequences, by correlation id."""
+    _idle_s: float = attrs.field(init=False, default=1.0)
+    _sweeper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _formed: int = attrs.field(init=False, default=0)
     """Batches formed so far (their sequence numbers)."""
     _released: int = attrs.field(init=False, default=0)
@@ -169,6 +190,10 @@ class ModelRunner:
         )
         self._with_params = self.model.initialize is not None
         self._takes_request = takes_request(self.model)
+        if config.sequence_batching is not None:
+            self._stateful = True
+            idle_us = config.sequence_batching.max_sequence_idle_microseconds
+            self._idle_s = (idle_us or 1_000_000) / 1e6  # Triton's default: 1 s
         # A model taking `request` sees one request's metadata: it is not batched.
         if config.dynamic_batching and config.max_batch_size > 0 and not self._takes_request:
             self._batching = BatchQueue(config)
@@ -286,11 +311,20 @@ class ModelRunner:
                 async with self._receive:
                     for instance in instances:
                         await nursery.start(self._serve_instance, instance, self._receive.clone())
+            if self._stateful:
+                self._sweeper = trio.CancelScope()
+                nursery.start_soon(self._run_sweeper, self._sweeper)
             task_status.started()
+
+    async def _run_sweeper(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._sweep_idle()
 
     def close(self) -> None:
         """Stop accepting work; instances finish what is queued, then end."""
         self._send.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -299,15 +333,22 @@ class ModelRunner:
             return self._fn(instance.params, **inputs)
         return self._fn(**inputs)
 
-    def _arguments(self, request: InferRequest) -> Mapping[str, Any]:
+    def _arguments(self, request: InferRequest, work: _Work | None = None) -> Mapping[str, Any]:
         """The keyword arguments of ``execute`` for ``request``.
 
         Plain-Python models get read-only views: an array can be shared with a sibling step
         or be the caller's own, so writing into it would corrupt someone else's data.
         """
         inputs = request.inputs
+        if self._stateful:
+            state = work.state if work is not None else self._initial_state()
+            return {**self._plain_or_checked(request), "state": state}
         if self._plain_arguments:
             return inputs
+        return self._plain_or_checked(request)
+
+    def _plain_or_checked(self, request: InferRequest) -> dict[str, Any]:
+        inputs = request.inputs
         config = self.model.config
         args: dict[str, Any] = {}
         for tensor in config.input:
@@ -330,14 +371,14 @@ class ModelRunner:
         return args
 
     def _execute_sync(
-        self, instance: _Instance, request: InferRequest
+        self, instance: _Instance, request: InferRequest, work: _Work | None = None
     ) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._arguments(request)
+            args = self._arguments(request, work)
             t1 = time.perf_counter_ns()
-            raw = self._call(instance, args)
+            raw = self._stateful_result(self._call(instance, args), work)
             if type(raw) is dict or isinstance(raw, Mapping):
                 # np.asarray waits for JAX's asynchronous dispatch to finish.
                 raw = {k: np.asarray(v) for k, v in raw.items()}
@@ -349,20 +390,35 @@ class ModelRunner:
         return outputs, t1 - t0, t2 - t1, t3 - t2
 
     async def _execute_async(
-        self, instance: _Instance, request: InferRequest
+        self, instance: _Instance, request: InferRequest, work: _Work | None = None
     ) -> tuple[Tensors, int, int, int]:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._arguments(request)
+            args = self._arguments(request, work)
             t1 = time.perf_counter_ns()
-            raw = await self._call(instance, args)
+            raw = self._stateful_result(await self._call(instance, args), work)
         except Exception as exc:
             raise self._error(exc) from exc
         t2 = time.perf_counter_ns()
         outputs = self._checked(raw)
         t3 = time.perf_counter_ns()
         return outputs, t1 - t0, t2 - t1, t3 - t2
+
+    def _stateful_result(self, raw: Any, work: _Work | None) -> Any:
+        """A stateful model returns ``(outputs, new_state)``: keep the state, pass on the
+        outputs."""
+        if not self._stateful:
+            return raw
+        if not (isinstance(raw, tuple) and len(raw) == 2):
+            raise TypeError(
+                "a stateful model's execute must return (outputs, new_state), got "
+                f"{type(raw).__name__}"
+            )
+        outputs, new_state = raw
+        if work is not None:
+            work.new_state = new_state
+        return outputs
 
     def _error(self, exc: Exception) -> InferenceError:
         return InferenceError(
@@ -468,12 +524,12 @@ class ModelRunner:
         try:
             with trio.CancelScope() as work.scope:
                 if self._is_async:
-                    result = await self._execute_async(instance, work.request)
+                    result = await self._execute_async(instance, work.request, work)
                 elif instance.inline and not compiling:
-                    result = self._execute_sync(instance, work.request)
+                    result = self._execute_sync(instance, work.request, work)
                 else:
                     result = await trio.to_thread.run_sync(
-                        self._execute_sync, instance, work.request
+                        self._execute_sync, instance, work.request, work
                     )
         except InferenceError as exc:
             work.error = exc
@@ -688,7 +744,7 @@ class ModelRunner:
         """Whether `infer_now` can run these inputs at once: nobody is queued ahead and an
         inline instance is idle, with ``execute`` already compiled for these shapes (a
         compilation can take a second: it never runs on the event loop)."""
-        if self._is_async or self._queued or self._batching is not None:
+        if self._is_async or self._queued or self._batching is not None or self._stateful:
             return False
         return self._idle_instance(inputs) is not None
 
@@ -731,7 +787,20 @@ class ModelRunner:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
+        if self._stateful:
+            return await self._infer_in_sequence(request)
         work = _Work(request=request, enqueued_ns=time.perf_counter_ns())
+        await self._submit(work)
+        return self._response(request, work.outputs or {})
+
+    async def _submit(self, work: _Work) -> None:
+        """Queue ``work`` and wait until it is done.
+
+        Raises:
+            InferenceError: ``execute`` raised or returned a bad result.
+            ServerClosedError: the model is being unloaded.
+            QueueFullError: a batching model's queue is full.
+        """
         if self._batching is not None:
             self._batching.admit(work)
         try:
@@ -750,17 +819,79 @@ class ModelRunner:
             raise
         if work.error is not None:
             raise work.error
+
+    # -- sequences (stateful models) -------------------------------------------------------
+
+    def _initial_state(self) -> Any:
+        make = self.model.initial_state
+        return make(self.model.config) if make is not None else None
+
+    async def _infer_in_sequence(self, request: InferRequest) -> InferResponse:
+        """Run a request of a sequence with the sequence's state, one at a time, in order."""
+        name = self.model.name
+        key = request.sequence_id
+        if key in (0, ""):
+            raise InvalidRequestError(
+                f"model '{name}' is stateful (sequence_batching): its requests need a "
+                "sequence_id (correlation id); inside an ensemble, give it to the ensemble's "
+                "request"
+            )
+        if request.sequence_start:
+            sequence = _Sequence(state=self._initial_state())  # a restart replaces it
+            self._sequences[key] = sequence
+        else:
+            found = self._sequences.get(key)
+            if found is None:
+                raise InvalidRequestError(
+                    f"model '{name}': sequence {key!r} is not active: start it with "
+                    "sequence_start=True (it may have ended, or been released after "
+                    f"{self._idle_s:g} s idle: max_sequence_idle_microseconds)"
+                )
+            sequence = found
+        async with sequence.lock:  # a sequence's requests run one at a time, in order
+            if sequence.released:
+                raise InvalidRequestError(
+                    f"model '{name}': sequence {key!r} was released after {self._idle_s:g} s "
+                    "idle (max_sequence_idle_microseconds)"
+                )
+            work = _Work(request=request, enqueued_ns=time.perf_counter_ns(), state=sequence.state)
+            try:
+                await self._submit(work)
+                sequence.state = work.new_state  # a failed request leaves the state alone
+            finally:
+                sequence.last_used = trio.current_time()
+                if request.sequence_end and self._sequences.get(key) is sequence:
+                    del self._sequences[key]
+                    sequence.released = True
         return self._response(request, work.outputs or {})
+
+    async def _sweep_idle(self) -> None:
+        """Release sequences idle longer than ``max_sequence_idle_microseconds``."""
+        while True:
+            await trio.sleep(self._idle_s / 4)
+            now = trio.current_time()
+            for key, sequence in list(self._sequences.items()):
+                if not sequence.lock.locked() and now - sequence.last_used > self._idle_s:
+                    del self._sequences[key]
+                    sequence.released = True
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         wanted = request.requested_outputs
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
+        parameters: dict[str, ParameterValue] = {}
+        if self._stateful:
+            parameters = {
+                "sequence_id": request.sequence_id,
+                "sequence_start": request.sequence_start,
+                "sequence_end": request.sequence_end,
+            }
         return InferResponse(
             model_name=self.model.name,
             model_version=self.model.version,
             request_id=request.request_id,
             outputs=outputs,
+            parameters=parameters,
         )
 
 
