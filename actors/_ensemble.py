@@ -40,6 +40,7 @@ from ..protocols import (
     ModelConfig,
     ModelStatistics,
     Observer,
+    ParameterValue,
     ServerClosedError,
     StepPlan,
     StepStatistics,
@@ -565,9 +566,17 @@ class EnsembleRunner:
             if tensor.reshape is not None:  # the client sees an output's dims
                 value = undo_reshape(tensor, value, mbs)
             outputs[tensor.name] = value
+        parameters: dict[str, ParameterValue] = {}
+        if request.sequence_id not in (0, ""):  # a sequence's request: say which, as a step would
+            parameters = {
+                "sequence_id": request.sequence_id,
+                "sequence_start": request.sequence_start,
+                "sequence_end": request.sequence_end,
+            }
         return InferResponse(
             model_name=self.config.name,
             model_version=self.version,
             request_id=request.request_id,
             outputs=outputs,
+            parameters=parameters,
         )

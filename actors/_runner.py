@@ -91,7 +91,10 @@ class _Sequence:
     state: Any
     lock: trio.Lock = attrs.Factory(trio.Lock)
     last_used: float = attrs.Factory(trio.current_time)
-    released: bool = False
+    active: bool = False
+    """Started (by a successful sequence_start) and not ended or released."""
+    released: str | None = None
+    """Why it is no longer active: "ended" or "idle"."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -269,13 +272,15 @@ class ModelRunner:
                     for t in config.input
                     if not t.optional
                 }
-                args = self._arguments(InferRequest(model_name=config.name, inputs=inputs))
+                request = InferRequest(model_name=config.name, inputs=inputs)
+                args = self._arguments(request, None, instance.device)
                 self._call(instance, args)  # compiles
                 instance.compiled.add(self.signature(inputs))
             timings = []
             for _ in range(5):  # the smallest batch, compiled: time it
                 start = time.perf_counter_ns()
-                raw = self._call(instance, args)
+                raw = self._stateful_result(self._call(instance, args), None)
+                jax.block_until_ready(raw)  # type: ignore[no-untyped-call]
                 if isinstance(raw, Mapping):
                     raw = {k: np.asarray(v) for k, v in raw.items()}
                 timings.append(time.perf_counter_ns() - start)
@@ -333,7 +338,9 @@ class ModelRunner:
             return self._fn(instance.params, **inputs)
         return self._fn(**inputs)
 
-    def _arguments(self, request: InferRequest, work: _Work | None = None) -> Mapping[str, Any]:
+    def _arguments(
+        self, request: InferRequest, work: _Work | None = None, device: Any = None
+    ) -> Mapping[str, Any]:
         """The keyword arguments of ``execute`` for ``request``.
 
         Plain-Python models get read-only views: an array can be shared with a sibling step
@@ -342,6 +349,8 @@ class ModelRunner:
         inputs = request.inputs
         if self._stateful:
             state = work.state if work is not None else self._initial_state()
+            if self.model.jit and device is not None:
+                state = jax.device_put(state, device)  # where this instance computes
             return {**self._plain_or_checked(request), "state": state}
         if self._plain_arguments:
             return inputs
@@ -376,7 +385,7 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._arguments(request, work)
+            args = self._arguments(request, work, instance.device)
             t1 = time.perf_counter_ns()
             raw = self._stateful_result(self._call(instance, args), work)
             if type(raw) is dict or isinstance(raw, Mapping):
@@ -395,7 +404,7 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         t1 = t0
         try:
-            args = self._arguments(request, work)
+            args = self._arguments(request, work, instance.device)
             t1 = time.perf_counter_ns()
             raw = self._stateful_result(await self._call(instance, args), work)
         except Exception as exc:
@@ -416,6 +425,11 @@ class ModelRunner:
                 f"{type(raw).__name__}"
             )
         outputs, new_state = raw
+        if not self.model.jit:  # numpy state may be the very arrays returned as outputs
+            new_state = jax.tree_util.tree_map(
+                lambda leaf: np.array(leaf, copy=True) if isinstance(leaf, np.ndarray) else leaf,
+                new_state,
+            )
         if work is not None:
             work.new_state = new_state
         return outputs
@@ -836,44 +850,67 @@ class ModelRunner:
                 "sequence_id (correlation id); inside an ensemble, give it to the ensemble's "
                 "request"
             )
-        if request.sequence_start:
-            sequence = _Sequence(state=self._initial_state())  # a restart replaces it
-            self._sequences[key] = sequence
-        else:
-            found = self._sequences.get(key)
-            if found is None:
-                raise InvalidRequestError(
-                    f"model '{name}': sequence {key!r} is not active: start it with "
-                    "sequence_start=True (it may have ended, or been released after "
-                    f"{self._idle_s:g} s idle: max_sequence_idle_microseconds)"
-                )
-            sequence = found
+        # One _Sequence (one lock) per id for as long as anyone uses it: a restart waits for
+        # the id's running request like any other, and replaces the state only if it succeeds.
+        sequence = self._sequences.get(key)
+        if sequence is None:
+            if not request.sequence_start:
+                raise self._inactive(key, None)
+            sequence = self._sequences[key] = _Sequence(state=None)
         async with sequence.lock:  # a sequence's requests run one at a time, in order
-            if sequence.released:
-                raise InvalidRequestError(
-                    f"model '{name}': sequence {key!r} was released after {self._idle_s:g} s "
-                    "idle (max_sequence_idle_microseconds)"
-                )
-            work = _Work(request=request, enqueued_ns=time.perf_counter_ns(), state=sequence.state)
+            if not request.sequence_start and not sequence.active:
+                raise self._inactive(key, sequence.released)
+            state = self._initial_state() if request.sequence_start else sequence.state
+            work = _Work(request=request, enqueued_ns=time.perf_counter_ns(), state=state)
             try:
                 await self._submit(work)
-                sequence.state = work.new_state  # a failed request leaves the state alone
+            except BaseException:
+                if work.scope is not None:  # still running (a thread cannot be cancelled):
+                    with trio.CancelScope(shield=True):  # keep the sequence's turn till done
+                        await work.done.wait()
+                raise
+            else:  # a failed request leaves the state (and whether it is active) alone
+                sequence.state = work.new_state
+                sequence.active = True
+                sequence.released = None
             finally:
                 sequence.last_used = trio.current_time()
-                if request.sequence_end and self._sequences.get(key) is sequence:
+                if request.sequence_end:
+                    sequence.active = False
+                    sequence.released = "ended"
+                unused = not sequence.active and not sequence.lock.statistics().tasks_waiting
+                if unused and self._sequences.get(key) is sequence:
                     del self._sequences[key]
-                    sequence.released = True
         return self._response(request, work.outputs or {})
+
+    def _inactive(self, key: int | str, why: str | None) -> InvalidRequestError:
+        name = self.model.name
+        if why == "ended":
+            return InvalidRequestError(
+                f"model '{name}': sequence {key!r} has ended; start it again with "
+                "sequence_start=True"
+            )
+        if why == "idle":
+            return InvalidRequestError(
+                f"model '{name}': sequence {key!r} was released after {self._idle_s:g} s idle "
+                "(max_sequence_idle_microseconds); start it again with sequence_start=True"
+            )
+        return InvalidRequestError(
+            f"model '{name}': sequence {key!r} is not active: start it with "
+            "sequence_start=True (it may have ended, or been released after "
+            f"{self._idle_s:g} s idle: max_sequence_idle_microseconds)"
+        )
 
     async def _sweep_idle(self) -> None:
         """Release sequences idle longer than ``max_sequence_idle_microseconds``."""
         while True:
-            await trio.sleep(self._idle_s / 4)
+            await trio.sleep(max(self._idle_s / 4, 0.01))
             now = trio.current_time()
             for key, sequence in list(self._sequences.items()):
                 if not sequence.lock.locked() and now - sequence.last_used > self._idle_s:
                     del self._sequences[key]
-                    sequence.released = True
+                    sequence.active = False
+                    sequence.released = "idle"
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         wanted = request.requested_outputs
