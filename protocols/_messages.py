@@ -16,6 +16,10 @@ ParameterValue: TypeAlias = str | int | float | bool
 Tensors: TypeAlias = Mapping[str, np.ndarray[Any, Any]]
 
 
+_SAME: object = object()
+"""`InferRequest.derive`'s default: keep the tracing context."""
+
+
 def _mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return {} if value is None else value
 
@@ -49,18 +53,11 @@ class InferRequest:
 
     def with_trace(self, trace: object | None) -> InferRequest:
         """This request with another tracing context (the span that now covers it)."""
-        return InferRequest(
+        return self.derive(
             model_name=self.model_name,
             model_version=self.model_version,
             inputs=self.inputs,
             requested_outputs=self.requested_outputs,
-            request_id=self.request_id,
-            parameters=self.parameters,
-            priority=self.priority,
-            timeout=self.timeout,
-            sequence_id=self.sequence_id,
-            sequence_start=self.sequence_start,
-            sequence_end=self.sequence_end,
             trace=trace,
         )
 
@@ -71,11 +68,13 @@ class InferRequest:
         model_version: int,
         inputs: Tensors,
         requested_outputs: frozenset[str] | None,
+        trace: object | None = _SAME,
     ) -> InferRequest:
         """A request for another model that carries this request's metadata unchanged.
 
-        This is how an ensemble forwards request id, parameters, priority, timeout and
-        sequence flags to its composing models (cheaper than `attrs.evolve` on a hot path).
+        This is how an ensemble forwards request id, parameters, priority, timeout,
+        sequence flags and tracing context to its composing models (cheaper than
+        `attrs.evolve` on a hot path). ``trace`` replaces the tracing context when given.
         """
         return InferRequest(
             model_name=model_name,
@@ -89,7 +88,7 @@ class InferRequest:
             sequence_id=self.sequence_id,
             sequence_start=self.sequence_start,
             sequence_end=self.sequence_end,
-            trace=self.trace,
+            trace=self.trace if trace is _SAME else trace,
         )
 
 
