@@ -35,8 +35,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["telemetry.py", "--quick"], ["Spans per request", "µs", "req/s", "tracing 1%"]),
         # No batching and three queue delays, plain JAX at batch 1 and 64; answers checked.
         (["batching.py", "--quick"], ["req/s", "mean batch", "plain JAX", "target"]),
+        # Without a GPU, the GPU script's dry run on the CPU.
+        (["gpu.py", "--allow-cpu", "--quick"], ["rows/s", "served by orchestrion"]),
     ],
-    ids=["pipeline", "step_costs", "cache", "telemetry", "batching"],
+    ids=["pipeline", "step_costs", "cache", "telemetry", "batching", "gpu"],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     """Each benchmark script completes and prints its tables."""
