@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Self
@@ -174,6 +174,28 @@ class Server:
     def metrics_url(self) -> str | None:
         """See `AsyncServer.metrics_url`."""
         return self._server.metrics_url if self._server is not None else None
+
+    def stream_infer(
+        self, model_name: str, inputs: Mapping[str, Any], **kwargs: Any
+    ) -> Iterator[InferResponse]:
+        """The responses of a decoupled model, as they come; see `AsyncServer.stream_infer`
+        for the arguments. Stop iterating (or close the iterator) to stop the model."""
+        portal, server = self._portal, self._server
+        if portal is None or server is None:
+            raise ServerClosedError("the server is not open (use it inside its with block)")
+        responses = server.stream_infer(model_name, inputs, **kwargs)
+
+        async def step() -> InferResponse | None:
+            try:
+                return await responses.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while (response := portal.call(step)) is not None:
+                yield response
+        finally:
+            portal.call(responses.aclose)
 
     def cache_statistics(self) -> CacheStatistics | None:
         """See `AsyncServer.cache_statistics`."""

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,51 @@ class AsyncServer:
     ) -> list[ModelStatistics]:
         """Triton-style statistics: every model, every version of ``name``, or one version."""
         return self._registry.statistics(name, version)
+
+    async def stream_infer(
+        self,
+        model_name: str,
+        inputs: Mapping[str, Any],
+        *,
+        model_version: int = -1,
+        outputs: Sequence[str] | None = None,
+        request_id: str | None = None,
+        parameters: Mapping[str, ParameterValue] | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> AsyncGenerator[InferResponse, None]:
+        """The responses of a decoupled model (zero or many), as the model produces them.
+
+        ``async with contextlib.aclosing(server.stream_infer(...)) as responses: async for
+        response in responses: ...``; leaving early stops the model's generator. The model
+        runs at most one response ahead of the caller (nothing is buffered). A model that is
+        not decoupled gives its one response. Arguments and errors are those of `infer` (an
+        error arrives after the responses sent before it); ``timeout`` is not offered: wrap
+        the loop in a trio deadline.
+        """
+        request = new_request(
+            model_name,
+            inputs,
+            model_version=model_version,
+            outputs=outputs,
+            request_id=request_id,
+            parameters=parameters,
+            sequence_id=sequence_id,
+            sequence_start=sequence_start,
+            sequence_end=sequence_end,
+            priority=priority,
+            timeout=None,
+        )
+        if traceparent is not None and self._registry.tracing is not None:
+            parent = extract_traceparent(traceparent)
+            if trace.get_current_span(parent).get_span_context().is_valid:
+                request = request.with_trace(parent)
+        async with contextlib.aclosing(self._registry.stream_infer(request)) as responses:
+            async for response in responses:
+                yield response
 
     def cache_statistics(self) -> CacheStatistics | None:
         """The response cache's counters and usage (None when the server has no cache)."""

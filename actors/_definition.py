@@ -113,16 +113,26 @@ def check_model(model: Model) -> list[str]:
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
     errors = _placement_errors(model, in_config)
-    if inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(model.execute):
+    generator = inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(
+        model.execute
+    )
+    if generator and not config.decoupled:
         errors.append(
-            f"{where}: execute is a generator, which is how decoupled models respond; "
-            "decoupled models are not supported by this version of orchestrion"
+            f"{where}: execute is a generator, which is how decoupled models respond; set "
+            "model_transaction_policy { decoupled: true } in the config"
         )
-    if config.decoupled:
+    if config.decoupled and not generator:
         errors.append(
-            f"{where}: model_transaction_policy.decoupled is not supported by this version "
-            "of orchestrion"
+            f"{where}: a decoupled model's execute is a generator: yield each response "
+            "(zero or more), instead of returning one"
         )
+    if config.decoupled and generator and model.jit:
+        errors.append(
+            f"{where}: jax.jit cannot compile a generator; set JIT = False (and call jitted "
+            "functions inside execute)"
+        )
+    if config.decoupled and config.sequence_batching is not None:
+        errors.append(f"{in_config}: a decoupled model cannot also be stateful")
     stateful = config.sequence_batching is not None
     if stateful and config.dynamic_batching is not None:
         errors.append(f"{in_config}: sequence_batching and dynamic_batching exclude each other")

@@ -17,8 +17,9 @@ steps for them, so its response (even whether it fails) depends on them.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -300,6 +301,11 @@ class ModelRegistry:
         """
         try:
             runner, request = self._admit(request, from_ensemble)
+            if runner.config.decoupled:
+                raise InvalidRequestError(
+                    f"model '{runner.config.name}' is decoupled (it sends zero or many "
+                    "responses per request): call stream_infer"
+                )
         except InvalidRequestError as exc:
             self._rejected(request, exc)
             raise
@@ -391,6 +397,33 @@ class ModelRegistry:
             self.tracing.record("cache_insert", request, storing, storing + flight.insert_ns)
         return response
 
+    async def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """The responses of a decoupled model to ``request``, as they come (a model that is
+        not decoupled gives its one response).
+
+        Raises:
+            the errors of `infer`, after the responses sent before the failure.
+        """
+        try:
+            runner, request = self._admit(request)
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
+        if not runner.config.decoupled or not isinstance(runner, ModelRunner):
+            yield await self.infer(request, strict_outputs=True)
+            return
+        start, request, span = self._started(runner, request, False)
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(runner.stream(request)) as responses:
+                async for outputs in responses:
+                    yield runner._response(request, outputs)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._finished(runner, request, start, error, span)
+
     def ready_now(self, request: InferRequest) -> bool:
         """Whether `infer_now` would run ``request`` without waiting."""
         versions = self._runners.get(request.model_name)
@@ -466,6 +499,16 @@ class ModelRegistry:
             configs[name] = latest.config
             versions[name] = list(defs)
         errors.extend(validate_repository(configs, versions))
+        for name, config in configs.items():
+            if config.ensemble_scheduling is None:
+                continue
+            for step in config.ensemble_scheduling.step:
+                used = configs.get(step.model_name)
+                if used is not None and used.decoupled:
+                    errors.append(
+                        f"ensemble '{name}': step model '{step.model_name}' is decoupled; "
+                        "ensembles with decoupled steps are not supported by this version yet"
+                    )
         if errors:
             raise ConfigError(list(dict.fromkeys(errors)))
 

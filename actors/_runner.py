@@ -23,7 +23,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -51,6 +51,8 @@ from ._batcher import BatchQueue, join_inputs, padded_sizes, rows_of, split_outp
 from ._definition import Model, takes_request
 from ._stats import StatsRecorder
 
+_END = object()
+"""What ``next`` returns when a decoupled model's generator is exhausted."""
 THREAD_ABOVE_NS = 500_000
 INLINE_BELOW_NS = 100_000
 SWITCH_AFTER = 3
@@ -75,6 +77,8 @@ class _Work:
     state: Any = None
     """A stateful model's sequence state going in; ``new_state`` is what execute returned."""
     new_state: Any = None
+    stream: trio.MemorySendChannel[Tensors | BaseException] | None = None
+    """A decoupled model's responses (then an error, if any) go here, one at a time."""
 
     def abandon(self) -> None:
         """The requester went away: skip the work, or cancel it if it is running async."""
@@ -198,7 +202,8 @@ class ModelRunner:
             idle_us = config.sequence_batching.max_sequence_idle_microseconds
             self._idle_s = (idle_us or 1_000_000) / 1e6  # Triton's default: 1 s
         # A model taking `request` sees one request's metadata: it is not batched.
-        if config.dynamic_batching and config.max_batch_size > 0 and not self._takes_request:
+        batchable = not self._takes_request and not config.decoupled
+        if config.dynamic_batching and config.max_batch_size > 0 and batchable:
             self._batching = BatchQueue(config)
             self._sizes = padded_sizes(config) if self.model.jit else ()
         self._plain_arguments = (
@@ -507,7 +512,9 @@ class ModelRunner:
             try:
                 async for work in receive:
                     self._queued -= 1
-                    if not work.abandoned:
+                    if work.stream is not None:
+                        await self._run_stream(instance, work)
+                    elif not work.abandoned:
                         await self._run_work(instance, work)
             finally:
                 # Stopped from outside (the server's nursery was cancelled): answer what is
@@ -760,6 +767,8 @@ class ModelRunner:
         compilation can take a second: it never runs on the event loop)."""
         if self._is_async or self._queued or self._batching is not None or self._stateful:
             return False
+        if self.model.config.decoupled:
+            return False
         return self._idle_instance(inputs) is not None
 
     def _idle_instance(self, inputs: Tensors) -> _Instance | None:
@@ -833,6 +842,93 @@ class ModelRunner:
             raise
         if work.error is not None:
             raise work.error
+
+    # -- decoupled models (streams) ---------------------------------------------------------
+
+    async def stream(self, request: InferRequest) -> AsyncGenerator[Tensors, None]:
+        """The outputs of each response a decoupled model yields for ``request``, as they
+        come. The model's generator runs one response ahead at most: it is suspended until
+        the caller takes the previous one (no buffering).
+
+        Raises:
+            InferenceError: ``execute`` raised (after the responses it yielded before).
+            ServerClosedError: the model is being unloaded.
+        """
+        send, receive = trio.open_memory_channel[Tensors | BaseException](0)
+        work = _Work(request=request, enqueued_ns=time.perf_counter_ns(), stream=send)
+        try:
+            self._send.send_nowait(work)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
+        self._queued += 1
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            work.abandon()  # the caller stopped early: stop the generator (if still running)
+
+    async def _run_stream(self, instance: _Instance, work: _Work) -> None:
+        """Run a decoupled model's generator, handing each response to the requester."""
+        stream = work.stream
+        assert stream is not None
+        instance.busy = True
+        started = time.perf_counter_ns()
+        try:
+            error = await self._generate(instance, work, stream)
+            if error is not None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send(error)  # after the responses it did yield
+        finally:
+            work.scope = None
+            instance.busy = False
+            elapsed = time.perf_counter_ns() - started
+            self._record(
+                instance,
+                started - work.enqueued_ns,
+                ({}, 0, elapsed, 0),
+                elapsed,
+                1,
+                False,
+                [work.request],
+                started,
+            )
+            stream.close()
+            work.done.set()
+
+    async def _generate(
+        self, instance: _Instance, work: _Work, stream: trio.MemorySendChannel[Any]
+    ) -> BaseException | None:
+        """Drive the generator; returns its error (None: it ended, or nobody listens)."""
+        try:
+            with trio.CancelScope() as work.scope:
+                if work.abandoned:
+                    return None
+                generator = self._call(instance, self._arguments(work.request))
+                if inspect.isasyncgen(generator):
+                    async with contextlib.aclosing(generator):
+                        async for raw in generator:
+                            await stream.send(self._checked(raw))
+                    return None
+                try:
+                    while True:  # each step may compute for long: off the event loop
+                        raw = await trio.to_thread.run_sync(next, generator, _END)
+                        if raw is _END:
+                            return None
+                        await stream.send(self._checked(raw))
+                finally:
+                    generator.close()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return None  # the requester went away
+        except InferenceError as exc:
+            return exc
+        except Exception as exc:
+            error = self._error(exc)
+            error.__cause__ = exc
+            return error
+        return None
 
     # -- sequences (stateful models) -------------------------------------------------------
 
