@@ -195,7 +195,8 @@ class Server:
             while (response := portal.call(step)) is not None:
                 yield response
         finally:
-            portal.call(responses.aclose)
+            if self._portal is portal:  # still open: stop the model's generator
+                portal.call(responses.aclose)
 
     def cache_statistics(self) -> CacheStatistics | None:
         """See `AsyncServer.cache_statistics`."""

@@ -161,6 +161,8 @@ class ModelRunner:
     """The queue of a model with dynamic batching (None: one request per execution)."""
     _sizes: tuple[int, ...] = attrs.field(init=False, default=())
     """Batch sizes a jitted batching model pads to (all compiled at load)."""
+    _streams: set[_Work] = attrs.field(init=False, factory=set)
+    """Decoupled requests whose stream is open (ended by `close`)."""
     _stateful: bool = attrs.field(init=False, default=False)
     _sequences: dict[int | str, _Sequence] = attrs.field(init=False, factory=dict)
     """A stateful model's active sequences, by correlation id."""
@@ -331,8 +333,18 @@ class ModelRunner:
             await self._sweep_idle()
 
     def close(self) -> None:
-        """Stop accepting work; instances finish what is queued, then end."""
+        """Stop accepting work; instances finish what is queued, then end.
+
+        Streams still open end with `ServerClosedError`: a stream lasts as long as its
+        caller keeps reading, which may be never.
+        """
         self._send.close()
+        for work in list(self._streams):
+            if work.error is None:
+                work.error = ServerClosedError(f"model '{self.model.name}' is being unloaded")
+            work.abandon()
+            if work.stream is not None and work.scope is None:
+                work.stream.close()  # still queued: its instance will only skip it
         if self._sweeper is not None:
             self._sweeper.cancel()
 
@@ -513,7 +525,11 @@ class ModelRunner:
                 async for work in receive:
                     self._queued -= 1
                     if work.stream is not None:
-                        await self._run_stream(instance, work)
+                        if work.abandoned:  # the requester left before it started
+                            work.stream.close()
+                            work.done.set()
+                        else:
+                            await self._run_stream(instance, work)
                     elif not work.abandoned:
                         await self._run_work(instance, work)
             finally:
@@ -526,6 +542,8 @@ class ModelRunner:
                         break
                     self._queued -= 1
                     work.error = ServerClosedError("the server is shutting down")
+                    if work.stream is not None:
+                        work.stream.close()
                     work.done.set()
 
     async def _run_work(
@@ -861,13 +879,17 @@ class ModelRunner:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
         self._queued += 1
+        self._streams.add(work)
         try:
             async with receive:
                 async for item in receive:
                     if isinstance(item, BaseException):
                         raise item
                     yield item
+            if work.error is not None:  # ended by the server stopping, not by the model
+                raise work.error
         finally:
+            self._streams.discard(work)
             work.abandon()  # the caller stopped early: stop the generator (if still running)
 
     async def _run_stream(self, instance: _Instance, work: _Work) -> None:
@@ -876,8 +898,11 @@ class ModelRunner:
         assert stream is not None
         instance.busy = True
         started = time.perf_counter_ns()
+        error: BaseException | None = None
+        finished = False
         try:
             error = await self._generate(instance, work, stream)
+            finished = True
             if error is not None:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await stream.send(error)  # after the responses it did yield
@@ -885,16 +910,13 @@ class ModelRunner:
             work.scope = None
             instance.busy = False
             elapsed = time.perf_counter_ns() - started
-            self._record(
-                instance,
-                started - work.enqueued_ns,
-                ({}, 0, elapsed, 0),
-                elapsed,
-                1,
-                False,
-                [work.request],
-                started,
-            )
+            result: tuple[Tensors, int, int, int] | None = ({}, 0, elapsed, 0)
+            if error is not None or not finished:
+                result = None  # a failed (or cut) execution: its compute span is an error
+            queue_ns = started - work.enqueued_ns
+            self._record(instance, queue_ns, result, elapsed, 1, False, [work.request], started)
+            if not finished and work.error is None:  # stopped from outside, mid-stream
+                work.error = ServerClosedError("the server is shutting down")
             stream.close()
             work.done.set()
 
