@@ -24,9 +24,11 @@ inside gets a `ServerClosedError`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Protocol
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -37,6 +39,7 @@ from ..protocols import (
     InferenceError,
     InferRequest,
     InferResponse,
+    InvalidRequestError,
     ModelConfig,
     ModelStatistics,
     Observer,
@@ -64,6 +67,10 @@ class Router(Protocol):
     def ready_now(self, request: InferRequest) -> bool: ...
 
     def infer_now(self, request: InferRequest) -> InferResponse: ...
+
+    def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]: ...
+
+    def decoupled(self, model_name: str) -> bool: ...
 
 
 @attrs.frozen
@@ -148,6 +155,8 @@ class EnsembleRunner:
     router: Router
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
+    _streaming_slots: dict[int, trio.Semaphore] = attrs.field(init=False, factory=dict)
+    """Per step, the ``max_inflight_requests`` slots of streamed runs."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
@@ -555,7 +564,13 @@ class EnsembleRunner:
                     self._close_channels()
         if run.error is not None:
             raise run.error
-        outputs = {t: run.tensors[t] for t in requested if t in run.tensors}
+        return self._response(request, requested, run.tensors)
+
+    def _response(
+        self, request: InferRequest, requested: frozenset[str], tensors: Tensors
+    ) -> InferResponse:
+        mbs = self.config.max_batch_size
+        outputs = {t: tensors[t] for t in requested if t in tensors}
         for tensor in self.config.output:
             value = outputs.get(tensor.name)
             if value is None:
@@ -580,3 +595,147 @@ class EnsembleRunner:
             outputs=outputs,
             parameters=parameters,
         )
+
+    # -- streaming (an ensemble with a decoupled step) --------------------------------------
+
+    async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """One response per iteration of the ensemble's decoupled step, as they come.
+
+        Each response of a decoupled step is an iteration: the steps after it run once per
+        iteration (in order, one iteration at a time per stream), so the producer's
+        generator stays suspended while its iteration travels downstream: memory holds one
+        iteration per stream, whatever the producer's speed. Each step still honours its
+        ``max_inflight_requests`` across every stream and request of the ensemble.
+
+        Raises:
+            InferenceError: a step failed (after the responses of earlier iterations).
+        """
+        if self._closing:
+            raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
+        requested = request.requested_outputs or frozenset(self.graph.outputs)
+        plan = self._plans.get(requested) or self._make_plan(requested)
+        tensors = dict(request.inputs)
+        mbs = self.config.max_batch_size
+        for tensor in self._reshaped_inputs:
+            if tensor.name in tensors:
+                tensors[tensor.name] = apply_reshape(tensor, tensors[tensor.name], mbs)
+        order = self._order(plan)
+        # Not counted as an active run: a stream lasts as long as its caller reads, and an
+        # unload must not wait for that; its steps then fail with ServerClosedError.
+        async with contextlib.aclosing(self._iterate(request, plan, order, tensors)) as runs:
+            async for produced in runs:
+                yield self._response(request, requested, produced)
+
+    def _order(self, plan: _Plan) -> list[int]:
+        """The needed steps in an order where each comes after the steps it needs."""
+        available = set(self.graph.inputs)
+        left = sorted(plan.needed)
+        order: list[int] = []
+        while left:
+            ready = [
+                i
+                for i in left
+                if all(
+                    t in available or t not in self.graph.producer
+                    for _, t in self.graph.steps[i].inputs
+                )
+            ]
+            if not ready:  # cannot happen in a validated graph
+                raise InferenceError(
+                    f"ensemble '{self.config.name}': no step can run", model_name=self.config.name
+                )
+            for index in ready:
+                order.append(index)
+                left.remove(index)
+                available.update(t for _, t in self.graph.steps[index].outputs)
+        return order
+
+    async def _iterate(
+        self, request: InferRequest, plan: _Plan, order: list[int], tensors: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Run ``order`` on ``tensors``; a decoupled step forks one iteration per response."""
+        for position, index in enumerate(order):
+            step = self._steps[index]
+            plan_step = step.plan
+            step_request = request.derive(
+                model_name=plan_step.model_name,
+                model_version=plan_step.model_version,
+                inputs={i: tensors[t] for i, t in plan_step.inputs if t in tensors},
+                requested_outputs=plan.step_outputs[index],
+            )
+            if self.router.decoupled(plan_step.model_name):
+                async with contextlib.aclosing(self._stream_step(step, step_request)) as produced:
+                    async for response in produced:
+                        branch = dict(tensors)
+                        branch.update(self._mapped(plan_step, response))
+                        rest = order[position + 1 :]
+                        async with contextlib.aclosing(
+                            self._iterate(request, plan, rest, branch)
+                        ) as runs:
+                            async for done in runs:
+                                yield done
+                return
+            response = await self._step_once(step, step_request)
+            tensors.update(self._mapped(plan_step, response))
+        yield tensors
+
+    @staticmethod
+    def _mapped(plan: StepPlan, response: InferResponse) -> dict[str, Any]:
+        return {t: response.outputs[o] for o, t in plan.outputs if o in response.outputs}
+
+    def _failed(self, step: _Step, error: Exception) -> InferenceError:
+        wrapped = InferenceError(
+            f"in ensemble '{self.config.name}', step[{step.plan.index}]: {error}",
+            model_name=step.plan.model_name,
+        )
+        wrapped.__cause__ = error
+        return wrapped
+
+    def _stream_slots(self, step: _Step) -> trio.Semaphore | None:
+        """The step's ``max_inflight_requests`` for streams (the step actor holds a slot of
+        ``step.slots`` while it waits, so streams count on their own: an ensemble with a
+        decoupled step is only ever streamed)."""
+        if not step.capacity:
+            return None
+        slots = self._streaming_slots.get(step.plan.index)
+        if slots is None:
+            slots = self._streaming_slots[step.plan.index] = trio.Semaphore(step.capacity)
+        return slots
+
+    async def _step_once(self, step: _Step, request: InferRequest) -> InferResponse:
+        slots = self._stream_slots(step)
+        if slots is not None:
+            await slots.acquire()
+        step.in_flight += 1
+        try:
+            return await self.router.infer(request, from_ensemble=True)
+        except InferenceError as exc:
+            raise self._failed(step, exc) from exc.__cause__
+        except (InvalidRequestError, ServerClosedError) as exc:
+            raise self._failed(step, exc) from exc
+        finally:
+            step.in_flight -= 1
+            if slots is not None:
+                slots.release()
+
+    async def _stream_step(
+        self, step: _Step, request: InferRequest
+    ) -> AsyncGenerator[InferResponse, None]:
+        """A decoupled step's responses; it holds one of the step's slots while it runs."""
+        slots = self._stream_slots(step)
+        if slots is not None:
+            await slots.acquire()
+        step.in_flight += 1
+        try:
+            async with contextlib.aclosing(self.router.stream_infer(request)) as responses:
+                try:
+                    async for response in responses:
+                        yield response
+                except InferenceError as exc:
+                    raise self._failed(step, exc) from exc.__cause__
+                except (InvalidRequestError, ServerClosedError) as exc:
+                    raise self._failed(step, exc) from exc
+        finally:
+            step.in_flight -= 1
+            if slots is not None:
+                slots.release()

@@ -45,6 +45,7 @@ from ..protocols import (
     TensorChecker,
     Tensors,
     cache_key,
+    is_decoupled,
     shared_outputs,
     validate_repository,
 )
@@ -140,6 +141,8 @@ class ModelRegistry:
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
     _draining: list[EnsembleRunner] = attrs.field(factory=list)
+    _streaming: dict[str, bool] = attrs.field(factory=dict)
+    """`decoupled` answers, cleared whenever the set of loaded models changes."""
     """Unloaded (or replaced) ensembles whose running requests have not all finished."""
 
     # -- lookup ----------------------------------------------------------------------------
@@ -301,7 +304,7 @@ class ModelRegistry:
         """
         try:
             runner, request = self._admit(request, from_ensemble)
-            if runner.config.decoupled:
+            if self.decoupled(runner.config.name):
                 raise InvalidRequestError(
                     f"model '{runner.config.name}' is decoupled (it sends zero or many "
                     "responses per request): call stream_infer"
@@ -409,20 +412,33 @@ class ModelRegistry:
         except InvalidRequestError as exc:
             self._rejected(request, exc)
             raise
-        if not runner.config.decoupled or not isinstance(runner, ModelRunner):
+        if not self.decoupled(runner.config.name):
             yield await self.infer(request, strict_outputs=True)
             return
         start, request, span = self._started(runner, request, False)
         error: BaseException | None = None
         try:
-            async with contextlib.aclosing(runner.stream(request)) as responses:
-                async for outputs in responses:
-                    yield runner._response(request, outputs)
+            if isinstance(runner, EnsembleRunner):
+                async with contextlib.aclosing(runner.stream(request)) as responses:
+                    async for response in responses:
+                        yield response
+            else:
+                assert isinstance(runner, ModelRunner)
+                async with contextlib.aclosing(runner.stream(request)) as outputs:
+                    async for produced in outputs:
+                        yield runner._response(request, produced)
         except BaseException as exc:
             error = exc
             raise
         finally:
             self._finished(runner, request, start, error, span)
+
+    def decoupled(self, model_name: str) -> bool:
+        """Whether ``model_name`` streams: a decoupled model, or an ensemble with one."""
+        found = self._streaming.get(model_name)
+        if found is None:
+            found = self._streaming[model_name] = is_decoupled(model_name, self._loaded_configs())
+        return found
 
     def ready_now(self, request: InferRequest) -> bool:
         """Whether `infer_now` would run ``request`` without waiting."""
@@ -499,16 +515,6 @@ class ModelRegistry:
             configs[name] = latest.config
             versions[name] = list(defs)
         errors.extend(validate_repository(configs, versions))
-        for name, config in configs.items():
-            if config.ensemble_scheduling is None:
-                continue
-            for step in config.ensemble_scheduling.step:
-                used = configs.get(step.model_name)
-                if used is not None and used.decoupled:
-                    errors.append(
-                        f"ensemble '{name}': step model '{step.model_name}' is decoupled; "
-                        "ensembles with decoupled steps are not supported by this version yet"
-                    )
         if errors:
             raise ConfigError(list(dict.fromkeys(errors)))
 
@@ -548,6 +554,7 @@ class ModelRegistry:
                 if replaced is not None:
                     _keep_counting(replaced.stats, fresh)
             self._runners[name] = runners
+        self._streaming.clear()
         await self._close_runners(old)
 
     def _loaded(self, runner: Runner, load_ns: int) -> None:
@@ -627,6 +634,7 @@ class ModelRegistry:
                     f"model '{name}' is used by ensembles {', '.join(sorted(users))}; unload "
                     "them first or pass unload_dependents=True"
                 )
+            self._streaming.clear()
             for victim in [*users, name]:  # outermost first: inner ones still serve them
                 runners = self._runners.pop(victim, {})
                 await self._close_runners({victim: runners})
@@ -649,8 +657,12 @@ class ModelRegistry:
 
     def abort(self) -> None:
         """The server is stopping by an error: answer nothing more (the actors are being
-        cancelled by their nursery)."""
+        cancelled by their nursery; open streams fail at their next step)."""
         self._closing = True
+        for versions in self._runners.values():
+            for runner in versions.values():
+                if isinstance(runner, ModelRunner):
+                    runner.close()
         self._runners = {}
 
     def _is_ensemble(self, name: str) -> bool:

@@ -77,8 +77,6 @@ class _Work:
     state: Any = None
     """A stateful model's sequence state going in; ``new_state`` is what execute returned."""
     new_state: Any = None
-    stream: trio.MemorySendChannel[Tensors | BaseException] | None = None
-    """A decoupled model's responses (then an error, if any) go here, one at a time."""
 
     def abandon(self) -> None:
         """The requester went away: skip the work, or cancel it if it is running async."""
@@ -161,8 +159,9 @@ class ModelRunner:
     """The queue of a model with dynamic batching (None: one request per execution)."""
     _sizes: tuple[int, ...] = attrs.field(init=False, default=())
     """Batch sizes a jitted batching model pads to (all compiled at load)."""
-    _streams: set[_Work] = attrs.field(init=False, factory=set)
-    """Decoupled requests whose stream is open (ended by `close`)."""
+    _compute: trio.Semaphore = attrs.field(init=False, factory=lambda: trio.Semaphore(1))
+    """A decoupled model's compute slots (one per instance), held per generator step."""
+    _next_instance: int = attrs.field(init=False, default=0)
     _stateful: bool = attrs.field(init=False, default=False)
     _sequences: dict[int | str, _Sequence] = attrs.field(init=False, factory=dict)
     """A stateful model's active sequences, by correlation id."""
@@ -306,6 +305,7 @@ class ModelRunner:
         """Run the instances until `close` is called and the queue is drained."""
         instances = await trio.to_thread.run_sync(self._prepare_instances)
         self.instances = instances
+        self._compute = trio.Semaphore(len(instances))
         async with trio.open_nursery() as nursery:
             if self._batching is not None:
                 # The batcher owns the model's queue and hands whole batches to instances.
@@ -338,13 +338,7 @@ class ModelRunner:
         Streams still open end with `ServerClosedError`: a stream lasts as long as its
         caller keeps reading, which may be never.
         """
-        self._send.close()
-        for work in list(self._streams):
-            if work.error is None:
-                work.error = ServerClosedError(f"model '{self.model.name}' is being unloaded")
-            work.abandon()
-            if work.stream is not None and work.scope is None:
-                work.stream.close()  # still queued: its instance will only skip it
+        self._send.close()  # open streams end with ServerClosedError at their next step
         if self._sweeper is not None:
             self._sweeper.cancel()
 
@@ -524,13 +518,7 @@ class ModelRunner:
             try:
                 async for work in receive:
                     self._queued -= 1
-                    if work.stream is not None:
-                        if work.abandoned:  # the requester left before it started
-                            work.stream.close()
-                            work.done.set()
-                        else:
-                            await self._run_stream(instance, work)
-                    elif not work.abandoned:
+                    if not work.abandoned:
                         await self._run_work(instance, work)
             finally:
                 # Stopped from outside (the server's nursery was cancelled): answer what is
@@ -542,8 +530,6 @@ class ModelRunner:
                         break
                     self._queued -= 1
                     work.error = ServerClosedError("the server is shutting down")
-                    if work.stream is not None:
-                        work.stream.close()
                     work.done.set()
 
     async def _run_work(
@@ -865,92 +851,59 @@ class ModelRunner:
 
     async def stream(self, request: InferRequest) -> AsyncGenerator[Tensors, None]:
         """The outputs of each response a decoupled model yields for ``request``, as they
-        come. The model's generator runs one response ahead at most: it is suspended until
-        the caller takes the previous one (no buffering).
+        come.
+
+        The generator runs in the caller's task, one step at a time: it is suspended while
+        the caller holds the previous response, so nothing is buffered. The model's
+        instances are *compute slots* here: a generator holds one only while it computes
+        its next response (a synchronous step runs in a worker thread), not while its
+        caller is busy, so streams that feed each other (a decoupled model nested in
+        another's iterations) cannot deadlock on instances.
 
         Raises:
             InferenceError: ``execute`` raised (after the responses it yielded before).
-            ServerClosedError: the model is being unloaded.
+            ServerClosedError: the model is being unloaded (also mid-stream).
         """
-        send, receive = trio.open_memory_channel[Tensors | BaseException](0)
-        work = _Work(request=request, enqueued_ns=time.perf_counter_ns(), stream=send)
-        try:
-            self._send.send_nowait(work)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
-        self._queued += 1
-        self._streams.add(work)
-        try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-            if work.error is not None:  # ended by the server stopping, not by the model
-                raise work.error
-        finally:
-            self._streams.discard(work)
-            work.abandon()  # the caller stopped early: stop the generator (if still running)
-
-    async def _run_stream(self, instance: _Instance, work: _Work) -> None:
-        """Run a decoupled model's generator, handing each response to the requester."""
-        stream = work.stream
-        assert stream is not None
-        instance.busy = True
+        if self._send._closed:
+            raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
+        instance = self.instances[self._next_instance % len(self.instances)]
+        self._next_instance += 1
         started = time.perf_counter_ns()
         error: BaseException | None = None
-        finished = False
+        generator: Any = None
         try:
-            error = await self._generate(instance, work, stream)
-            finished = True
-            if error is not None:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send(error)  # after the responses it did yield
-        finally:
-            work.scope = None
-            instance.busy = False
-            elapsed = time.perf_counter_ns() - started
-            result: tuple[Tensors, int, int, int] | None = ({}, 0, elapsed, 0)
-            if error is not None or not finished:
-                result = None  # a failed (or cut) execution: its compute span is an error
-            queue_ns = started - work.enqueued_ns
-            self._record(instance, queue_ns, result, elapsed, 1, False, [work.request], started)
-            if not finished and work.error is None:  # stopped from outside, mid-stream
-                work.error = ServerClosedError("the server is shutting down")
-            stream.close()
-            work.done.set()
-
-    async def _generate(
-        self, instance: _Instance, work: _Work, stream: trio.MemorySendChannel[Any]
-    ) -> BaseException | None:
-        """Drive the generator; returns its error (None: it ended, or nobody listens)."""
-        try:
-            with trio.CancelScope() as work.scope:
-                if work.abandoned:
-                    return None
-                generator = self._call(instance, self._arguments(work.request))
+            async with self._compute:
+                generator = self._call(instance, self._arguments(request, None, instance.device))
+            try:
+                while True:
+                    if self._send._closed:
+                        raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
+                    async with self._compute:
+                        if inspect.isasyncgen(generator):
+                            raw = await anext(generator, _END)
+                        else:
+                            raw = await trio.to_thread.run_sync(next, generator, _END)
+                    if raw is _END:
+                        return
+                    yield self._checked(raw)
+            finally:
                 if inspect.isasyncgen(generator):
-                    async with contextlib.aclosing(generator):
-                        async for raw in generator:
-                            await stream.send(self._checked(raw))
-                    return None
-                try:
-                    while True:  # each step may compute for long: off the event loop
-                        raw = await trio.to_thread.run_sync(next, generator, _END)
-                        if raw is _END:
-                            return None
-                        await stream.send(self._checked(raw))
-                finally:
+                    await generator.aclose()
+                else:
                     generator.close()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return None  # the requester went away
-        except InferenceError as exc:
-            return exc
+        except (InferenceError, ServerClosedError) as exc:
+            error = exc
+            raise
         except Exception as exc:
             error = self._error(exc)
-            error.__cause__ = exc
-            return error
-        return None
+            raise error from exc
+        finally:
+            if generator is not None:  # it ran: one execution (a stream gave up before not)
+                elapsed = time.perf_counter_ns() - started
+                result: tuple[Tensors, int, int, int] | None = ({}, 0, elapsed, 0)
+                if error is not None:
+                    result = None  # its compute span is an error
+                self._record(instance, 0, result, elapsed, 1, False, [request], started)
 
     # -- sequences (stateful models) -------------------------------------------------------
 

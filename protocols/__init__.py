@@ -40,6 +40,7 @@ from ._converter import parse_model_config as parse_model_config
 from ._dtypes import DataType as DataType
 from ._ensemble import EnsembleGraph as EnsembleGraph
 from ._ensemble import StepPlan as StepPlan
+from ._ensemble import is_decoupled as is_decoupled
 from ._ensemble import validate_ensemble as validate_ensemble
 from ._errors import CacheUnavailableError as CacheUnavailableError
 from ._errors import ConfigError as ConfigError

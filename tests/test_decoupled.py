@@ -13,10 +13,9 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import chain, model, tensor
+from builders import model, tensor
 from orchestrion.actors import check_model
 from orchestrion.protocols import (
-    ConfigError,
     InferenceError,
     InvalidRequestError,
     ModelTransactionPolicy,
@@ -174,25 +173,3 @@ def test_contract() -> None:
     assert any("decoupled: true" in e for e in check_model(undeclared))
     jitted = attrs.evolve(decoupled("c", repeat), jit=True)
     assert any("cannot compile a generator" in e for e in check_model(jitted))
-
-
-async def test_an_ensemble_with_a_decoupled_step_is_refused_for_now() -> None:
-    """Streaming through ensembles is not there yet: a clear load error."""
-    models = [
-        decoupled("rep", repeat),
-        model(
-            "id", lambda X: {"Y": X}, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], jit=False
-        ),
-        chain("pipe", "rep", "id"),
-    ]
-    models[2] = attrs.evolve(
-        models[2],
-        config=attrs.evolve(
-            models[2].config,
-            input=(tensor("IN", dims=(1,)),),
-            output=(tensor("OUT", dims=(1,)),),
-        ),
-    )
-    with pytest.raises(ConfigError, match="decoupled steps are not supported"):
-        async with orchestrion.open_server(models=models):
-            pass

@@ -115,25 +115,35 @@ async def test_server_error_with_a_stream_queued_behind_a_busy_instance(
     assert "hung" not in outcome, outcome
 
 
-async def test_a_stream_abandoned_while_queued_is_not_an_execution(
+async def test_a_stream_abandoned_while_waiting_for_a_slot_is_not_an_execution(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A stream whose caller left before any instance took it never ran: no execution."""
-    async with orchestrion.open_server(models=[decoupled("rep", arepeat)]) as server:
-        first = server.stream_infer("rep", {"X": value(3)})
-        await first.__anext__()  # the only instance now waits on this consumer
-        with trio.move_on_after(1):
-            async with contextlib.aclosing(server.stream_infer("rep", {"X": value(2)})) as s:
-                async for _ in s:
-                    pass
-        async for _ in first:
-            pass
+    """A stream whose caller left while every compute slot was busy never ran: no execution;
+    a stream waiting on its reader holds no slot (a second stream then runs at once)."""
+
+    async def slow_steps(X: Any) -> Any:
+        for i in range(int(X[0])):
+            await trio.sleep(10)  # computing: holds the model's only compute slot
+            yield {"Y": X * i}
+
+    async with orchestrion.open_server(models=[decoupled("rep", slow_steps)]) as server:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain_model, server, "rep", 2)  # computes for 10 s per step
+            await trio.sleep(1)
+            with trio.move_on_after(1):  # waits for the slot, then gives up
+                await drain_model(server, "rep", 1)
         await trio.testing.wait_all_tasks_blocked()
         stats = server.model_statistics("rep")[0]
     assert stats.pending_request_count == 0
     assert stats.failures_by_reason == {"CANCELED": 1}
     assert stats.inference_stats.success.count == 1
     assert stats.execution_count == 1, "the abandoned, never-run stream counted as executed"
+
+
+async def drain_model(server: orchestrion.AsyncServer, name: str, v: float) -> None:
+    async with contextlib.aclosing(server.stream_infer(name, {"X": value(v)})) as responses:
+        async for _ in responses:
+            pass
 
 
 async def test_a_failed_stream_has_a_failed_compute_span() -> None:
