@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import signal
 import sys
@@ -219,10 +220,23 @@ async def _run(
         )
         if server.metrics_url is not None:
             console.print(f"metrics at {server.metrics_url}", highlight=False)
+        counts: dict[str, int] = {}
+        peaks: dict[int, int] = {}
         latencies, errors, wall = await _drive(
-            server, example, requests, concurrency, seed, console
+            server, example, requests, concurrency, seed, console, counts, peaks
         )
         _summary(server, example, latencies, errors, wall, concurrency, console)
+        if server._registry.decoupled(example.model):
+            steps = ", ".join(
+                f"step[{s.step}] {s.model_name}: {peaks.get(s.step, 0)} "
+                f"(limit {s.max_inflight_requests or 'none'})"
+                for s in server.step_statistics(example.model)
+            )
+            console.print(
+                f"streamed {counts['responses']} responses ({counts['responses'] / wall:,.1f}"
+                f"/s); peak intermediates in flight per step: {steps}",
+                highlight=False,
+            )
         if options.linger:
             console.print(f"serving for {options.linger:g} s more (Ctrl-C to stop)")
             await trio.sleep(options.linger)
@@ -263,8 +277,11 @@ async def _drive(
     concurrency: int,
     seed: int,
     console: Console,
+    counts: dict[str, int],
+    peaks: dict[int, int],
 ) -> tuple[list[float], list[str], float]:
     """Send the requests; return latencies (s), error lines and the wall time (s)."""
+    counts["responses"] = 0
     rng = np.random.default_rng(seed)
     inputs = [example.make_inputs(i, rng) for i in range(requests)]
     latencies: list[float] = []
@@ -281,13 +298,28 @@ async def _drive(
     )
     task = progress.add_task("infer", total=requests)
 
+    streaming = server._registry.decoupled(example.model)
+
+    async def one(index: int) -> None:
+        if not streaming:
+            response = await server.infer(example.model, inputs[index], request_id=str(index))
+            if example.check is not None:
+                example.check(inputs[index], response.outputs)
+            return
+        stream = server.stream_infer(example.model, inputs[index], request_id=str(index))
+        async with contextlib.aclosing(stream) as responses:
+            async for response in responses:
+                counts["responses"] += 1
+                for s in server.step_statistics(example.model):
+                    peaks[s.step] = max(peaks.get(s.step, 0), s.in_flight + s.queued)
+                if example.check is not None:
+                    example.check(inputs[index], response.outputs)
+
     async def client() -> None:
         for index in next_index:
             start = time.perf_counter()
             try:
-                response = await server.infer(example.model, inputs[index], request_id=str(index))
-                if example.check is not None:
-                    example.check(inputs[index], response.outputs)
+                await one(index)
             except (OrchestrionError, AssertionError) as exc:
                 errors.append(f"request {index}: {type(exc).__name__}: {exc}")
             else:

@@ -307,3 +307,12 @@ def test_cli_serve_exposes_metrics_until_interrupted(tiny_example: Path) -> None
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+def test_cli_runs_the_streaming_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """`orchestrion run examples/streaming_backpressure` streams every chunk of every request."""
+    code = cli(["run", str(REPO / "examples" / "streaming_backpressure"), "-n", "2", "-c", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "streamed 48 responses" in out
+    assert "peak intermediates in flight per step" in out
