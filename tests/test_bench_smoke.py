@@ -37,8 +37,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["batching.py", "--quick"], ["req/s", "mean batch", "plain JAX", "target"]),
         # Without a GPU, the GPU script's dry run on the CPU.
         (["gpu.py", "--allow-cpu", "--quick"], ["rows/s", "served by orchestrion"]),
+        (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
     ],
-    ids=["pipeline", "step_costs", "cache", "telemetry", "batching", "gpu"],
+    ids=["pipeline", "step_costs", "cache", "telemetry", "batching", "gpu", "memory"],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     """Each benchmark script completes and prints its tables."""
