@@ -21,6 +21,7 @@ from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
     CacheStatistics,
     InferenceTimeoutError,
+    InferRequest,
     InferResponse,
     ModelConfig,
     ModelStatistics,
@@ -162,23 +163,22 @@ class AsyncServer:
             InferenceError: the model or an ensemble step failed (the message names it).
             InferenceTimeoutError: ``timeout`` expired.
         """
-        request = new_request(
-            model_name,
-            inputs,
-            model_version=model_version,
-            outputs=outputs,
-            request_id=request_id,
-            parameters=parameters,
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            priority=priority,
-            timeout=timeout,
+        request = self._traced(
+            new_request(
+                model_name,
+                inputs,
+                model_version=model_version,
+                outputs=outputs,
+                request_id=request_id,
+                parameters=parameters,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+                priority=priority,
+                timeout=timeout,
+            ),
+            traceparent,
         )
-        if traceparent is not None and self._registry.tracing is not None:
-            parent = extract_traceparent(traceparent)
-            if trace.get_current_span(parent).get_span_context().is_valid:
-                request = request.with_trace(parent)  # a malformed header is ignored
         if request.timeout is None:
             return await self._registry.infer(request, strict_outputs=True)
         with trio.move_on_after(request.timeout):
@@ -186,6 +186,14 @@ class AsyncServer:
             # result is then cancelled at the next checkpoint, and counted as a failure.
             return await self._registry.infer(request, strict_outputs=True)
         raise InferenceTimeoutError(f"request for model '{model_name}' timed out after {timeout} s")
+
+    def _traced(self, request: InferRequest, traceparent: str | None) -> InferRequest:
+        """``request`` as a child of the caller's span (a malformed header is ignored)."""
+        if traceparent is not None and self._registry.tracing is not None:
+            parent = extract_traceparent(traceparent)
+            if trace.get_current_span(parent).get_span_context().is_valid:
+                return request.with_trace(parent)
+        return request
 
     def model_statistics(
         self, name: str | None = None, version: int | None = None
@@ -217,7 +225,7 @@ class AsyncServer:
         error arrives after the responses sent before it); ``timeout`` is not offered: wrap
         the loop in a trio deadline.
         """
-        request = new_request(
+        fields = new_request(
             model_name,
             inputs,
             model_version=model_version,
@@ -230,10 +238,7 @@ class AsyncServer:
             priority=priority,
             timeout=None,
         )
-        if traceparent is not None and self._registry.tracing is not None:
-            parent = extract_traceparent(traceparent)
-            if trace.get_current_span(parent).get_span_context().is_valid:
-                request = request.with_trace(parent)
+        request = self._traced(fields, traceparent)
         async with contextlib.aclosing(self._registry.stream_infer(request)) as responses:
             async for response in responses:
                 yield response
