@@ -178,10 +178,6 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def waiting(self, level: int) -> int:
-        """Requests of ``level`` counted as waiting (what ``max_queue_size`` bounds)."""
-        return self._per_level.get(level, 0)
-
     def oldest_arrival(self) -> float | None:
         """When the longest-waiting queued request arrived (None: the queue is empty)."""
         return min((e.arrived for _, _, e in self._heap), default=None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import attrs
@@ -140,6 +140,10 @@ class _Step:
     send: trio.MemorySendChannel[_Run]
     receive: trio.MemoryReceiveChannel[_Run]
     slots: trio.Semaphore | None
+    stream_slots: trio.Semaphore | None
+    """The same limit for streamed runs (the step actor holds a slot of ``slots`` while it
+    waits, so streams count on their own: an ensemble with a decoupled step is only ever
+    streamed)."""
     queued: int = 0
     """Runs buffered in the channel (sent and not yet received)."""
     in_flight: int = 0
@@ -155,8 +159,6 @@ class EnsembleRunner:
     router: Router
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
-    _streaming_slots: dict[int, trio.Semaphore] = attrs.field(init=False, factory=dict)
-    """Per step, the ``max_inflight_requests`` slots of streamed runs."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
@@ -186,6 +188,7 @@ class EnsembleRunner:
                     send=send,
                     receive=receive,
                     slots=trio.Semaphore(limit) if limit else None,
+                    stream_slots=trio.Semaphore(limit) if limit else None,
                 )
             )
         self._idle.set()
@@ -434,12 +437,7 @@ class EnsembleRunner:
                 self.config.name, plan.index, plan.model_name, request, error
             )
         if isinstance(error, Exception):
-            wrapped = InferenceError(
-                f"in ensemble '{self.config.name}', step[{plan.index}]: {error}",
-                model_name=plan.model_name,
-            )
-            wrapped.__cause__ = error
-            run.fail(wrapped)
+            run.fail(self._failed(step, error))
 
     async def _call_model(
         self, step: _Step, run: _Run, request: InferRequest
@@ -691,24 +689,15 @@ class EnsembleRunner:
         wrapped.__cause__ = error
         return wrapped
 
-    def _stream_slots(self, step: _Step) -> trio.Semaphore | None:
-        """The step's ``max_inflight_requests`` for streams (the step actor holds a slot of
-        ``step.slots`` while it waits, so streams count on their own: an ensemble with a
-        decoupled step is only ever streamed)."""
-        if not step.capacity:
-            return None
-        slots = self._streaming_slots.get(step.plan.index)
-        if slots is None:
-            slots = self._streaming_slots[step.plan.index] = trio.Semaphore(step.capacity)
-        return slots
-
-    async def _step_once(self, step: _Step, request: InferRequest) -> InferResponse:
-        slots = self._stream_slots(step)
+    @contextlib.asynccontextmanager
+    async def _streamed(self, step: _Step) -> AsyncIterator[None]:
+        """Hold one of the step's stream slots; its model's errors leave prefixed with it."""
+        slots = step.stream_slots
         if slots is not None:
             await slots.acquire()
         step.in_flight += 1
         try:
-            return await self.router.infer(request, from_ensemble=True)
+            yield
         except InferenceError as exc:
             raise self._failed(step, exc) from exc.__cause__
         except (InvalidRequestError, ServerClosedError) as exc:
@@ -718,24 +707,17 @@ class EnsembleRunner:
             if slots is not None:
                 slots.release()
 
+    async def _step_once(self, step: _Step, request: InferRequest) -> InferResponse:
+        async with self._streamed(step):
+            return await self.router.infer(request, from_ensemble=True)
+
     async def _stream_step(
         self, step: _Step, request: InferRequest
     ) -> AsyncGenerator[InferResponse, None]:
         """A decoupled step's responses; it holds one of the step's slots while it runs."""
-        slots = self._stream_slots(step)
-        if slots is not None:
-            await slots.acquire()
-        step.in_flight += 1
-        try:
-            async with contextlib.aclosing(self.router.stream_infer(request)) as responses:
-                try:
-                    async for response in responses:
-                        yield response
-                except InferenceError as exc:
-                    raise self._failed(step, exc) from exc.__cause__
-                except (InvalidRequestError, ServerClosedError) as exc:
-                    raise self._failed(step, exc) from exc
-        finally:
-            step.in_flight -= 1
-            if slots is not None:
-                slots.release()
+        async with (
+            self._streamed(step),
+            contextlib.aclosing(self.router.stream_infer(request)) as responses,
+        ):
+            async for response in responses:
+                yield response

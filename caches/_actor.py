@@ -122,7 +122,6 @@ class CacheActor:
     _pending: dict[bytes, CacheEntry] = attrs.field(factory=dict)
     """Entries queued for a batched backend: hits until written (read your own writes)."""
     _send: trio.MemorySendChannel[_Lookup | _Insert] | None = None
-    _closed: bool = False
     _warned_mismatch: bool = False
 
     # -- the request side ------------------------------------------------------------------
@@ -303,7 +302,6 @@ class CacheActor:
                     nursery.start_soon(self._worker, receive.clone())
                 task_status.started()
         finally:
-            self._closed = True
             self._send = None
             with contextlib.suppress(trio.ClosedResourceError):
                 while True:  # answer what no worker will: those requests run uncached
