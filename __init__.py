@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .protocols import InstanceKind as InstanceKind
     from .protocols import InvalidRequestError as InvalidRequestError
     from .protocols import ModelConfig as ModelConfig
+    from .protocols import ModelControlError as ModelControlError
     from .protocols import ModelLoadError as ModelLoadError
     from .protocols import ModelNotFoundError as ModelNotFoundError
     from .protocols import ModelStatistics as ModelStatistics
@@ -67,6 +68,7 @@ _WHERE = {
             "InstanceKind",
             "InvalidRequestError",
             "ModelConfig",
+            "ModelControlError",
             "ModelLoadError",
             "ModelNotFoundError",
             "ModelStatistics",

@@ -13,6 +13,7 @@ import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -45,6 +46,7 @@ class Server:
         model_repository: str | os.PathLike[str] | None = None,
         models: Sequence[Model] = (),
         *,
+        load_models: Sequence[str] | None = None,
         cache_config: str | Sequence[str] | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -55,6 +57,7 @@ class Server:
             open_server,
             model_repository,
             models,
+            load_models=load_models,
             cache_config=cache_config,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
@@ -222,6 +225,16 @@ class Server:
         """See `AsyncServer.model_versions`."""
         result: list[int] = self._sync("model_versions", name)
         return result
+
+    def is_decoupled(self, name: str) -> bool:
+        """See `AsyncServer.is_decoupled`."""
+        result: bool = self._sync("is_decoupled", name)
+        return result
+
+    @property
+    def model_repository(self) -> Path | None:
+        """See `AsyncServer.model_repository`."""
+        return self._server.model_repository if self._server is not None else None
 
     def is_model_ready(self, name: str, version: int = -1) -> bool:
         """See `AsyncServer.is_model_ready`."""

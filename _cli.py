@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import signal
 import sys
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ._examples import Example, load_example
+from ._serve import Endpoints, ServeOptions, serve
 from ._server import AsyncServer, open_server
 from .actors import load_model_code, scan_repository
 from .protocols import (
@@ -63,7 +65,8 @@ def _server_options(command: argparse.ArgumentParser, default_metrics_port: int 
     )
     telemetry.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
+        "--metrics-address",
+        dest="metrics_host",
         metavar="ADDRESS",
         help="the address the metrics endpoint binds (default: loopback only)",
     )
@@ -74,6 +77,74 @@ def _server_options(command: argparse.ArgumentParser, default_metrics_port: int 
         help="Triton's flag, repeatable: mode=opentelemetry, rate=N (1 in N traced), "
         "opentelemetry,url=http://localhost:4318/v1/traces (default: the OTEL_* variables)",
     )
+
+
+def _flag(text: str) -> bool:
+    """Triton's boolean flag values (``--allow-metrics=false``)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _serve_options(serve: argparse.ArgumentParser) -> None:
+    """Triton's ``tritonserver`` flags, with its defaults (but loopback addresses)."""
+    serve.add_argument("--model-repository", required=True, type=Path)
+    network = serve.add_argument_group("network (binds loopback unless told otherwise)")
+    network.add_argument(
+        "--host", default="127.0.0.1", metavar="ADDRESS", help="address of every endpoint"
+    )
+    for name, port in (("http", 8000), ("grpc", 8001)):
+        network.add_argument(f"--{name}-port", type=int, default=port, metavar="PORT")
+        network.add_argument(f"--{name}-address", metavar="ADDRESS", help="overrides --host")
+        network.add_argument(
+            f"--allow-{name}", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+        )
+    network.add_argument(
+        "--allow-metrics", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+    )
+    network.add_argument(
+        "--http-max-input-size",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest HTTP request body accepted (default: 64 MiB, as Triton)",
+    )
+    network.add_argument(
+        "--grpc-max-message-size",
+        type=int,
+        default=2**31 - 1,
+        metavar="BYTES",
+        help="largest gRPC message accepted or sent (default: 2 GiB - 1, as Triton)",
+    )
+    models = serve.add_argument_group("models")
+    models.add_argument(
+        "--model-control-mode", choices=("none", "explicit", "poll"), default="none"
+    )
+    models.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: a model to load at start (repeatable; * for all)",
+    )
+    models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
+    models.add_argument(
+        "--strict-readiness", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+    )
+    models.add_argument(
+        "--exit-timeout-secs",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long requests in flight may take to finish",
+    )
+    serve.add_argument(
+        "--log-verbose", type=int, default=0, metavar="LEVEL", help="> 0: debug logging"
+    )
+    _server_options(serve, default_metrics_port=8002)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,10 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve = commands.add_parser(
         "serve",
-        help="load a model repository and keep it served (metrics, traces) until Ctrl-C",
+        help="serve a model repository over HTTP and gRPC (KServe v2, as Triton) until Ctrl-C",
     )
-    serve.add_argument("--model-repository", required=True, type=Path)
-    _server_options(serve, default_metrics_port=8002)
+    _serve_options(serve)
     validate = commands.add_parser("validate", help="check a model repository, report every error")
     validate.add_argument("--model-repository", required=True, type=Path)
     return parser
@@ -113,14 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.model_repository, console)
         if args.command == "serve":
-            options = _RunOptions(
-                cache=_cache_flags(args, console),
-                metrics_port=args.metrics_port,
-                metrics_host=args.metrics_host,
-                tracing=args.trace_config,
-                linger=0.0,
-            )
-            return trio.run(_serve, args.model_repository, options, console)
+            return trio.run(_serve, _serve_settings(args, console), args.log_verbose, console)
         example = load_example(args.example)
         requests = args.requests if args.requests is not None else example.requests
         concurrency = args.concurrency if args.concurrency is not None else example.concurrency
@@ -133,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _RunOptions(
             cache=_cache_flags(args, console),
             metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
+            metrics_host=args.metrics_host or "127.0.0.1",
             tracing=args.trace_config,
             linger=args.linger,
         )
@@ -143,7 +206,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _cache_flags(args: argparse.Namespace, console: Console) -> list[str]:
+def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
+    host = args.host
+    return ServeOptions(
+        model_repository=args.model_repository,
+        http_address=args.http_address or host,
+        http_port=args.http_port if args.allow_http else None,
+        grpc_address=args.grpc_address or host,
+        grpc_port=args.grpc_port if args.allow_grpc else None,
+        metrics_address=args.metrics_host or host,
+        metrics_port=args.metrics_port if args.allow_metrics else None,
+        cache_config=_cache_flags(args, console, default=None),
+        tracing=args.trace_config,
+        model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        strict_readiness=args.strict_readiness,
+        exit_timeout=args.exit_timeout_secs,
+        poll_interval=args.repository_poll_secs,
+        http_max_input_size=args.http_max_input_size,
+        grpc_max_message_size=args.grpc_max_message_size,
+    )
+
+
+def _cache_flags(
+    args: argparse.Namespace, console: Console, default: str | None = DEFAULT_CACHE
+) -> list[str]:
     """The ``--cache-config`` values to run with (checked here, so errors come first).
 
     Raises:
@@ -155,7 +242,9 @@ def _cache_flags(args: argparse.Namespace, console: Console) -> list[str]:
             raise ConfigError("--no-cache cannot be combined with a cache flag")
         return []
     if not flags and args.response_cache_byte_size is None:
-        flags = [DEFAULT_CACHE]
+        if default is None:
+            return []  # serve, as Triton: no cache unless asked for
+        flags = [default]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
         settings = parse_cache_config(flags, response_cache_byte_size=args.response_cache_byte_size)
@@ -243,29 +332,44 @@ async def _run(
     return 1 if errors else 0
 
 
-async def _serve(repository: Path, options: _RunOptions, console: Console) -> int:
+async def _serve(options: ServeOptions, log_verbose: int, console: Console) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if log_verbose > 0 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     started = time.perf_counter()
-    async with open_server(
-        repository,
-        cache_config=options.cache,
-        metrics_port=options.metrics_port,
-        metrics_host=options.metrics_host,
-        tracing=options.tracing,
-    ) as server:
-        names = server.model_names()
+    stop = trio.Event()
+
+    def report(endpoints: Endpoints) -> None:
+        # Triton's start-up lines, which scripts wait for.
+        if endpoints.grpc:
+            console.print(f"Started GRPCInferenceService at {endpoints.grpc}", highlight=False)
+        if endpoints.http:
+            console.print(f"Started HTTPService at {endpoints.http}", highlight=False)
+        if endpoints.metrics:
+            console.print(f"Started Metrics Service at {endpoints.metrics}", highlight=False)
         console.print(
-            f"serving {len(names)} models from {repository} "
-            f"(loaded in {time.perf_counter() - started:.1f} s): {', '.join(names)}",
+            f"ready in {time.perf_counter() - started:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop",
             highlight=False,
         )
-        if server.metrics_url is not None:
-            console.print(f"metrics at {server.metrics_url}", highlight=False)
-        console.print("Ctrl-C (SIGINT) or SIGTERM to stop")
-        # The signal ends the block normally: what is running finishes, then everything closes.
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for number in signals:
-                console.print(f"{signal.Signals(number).name}: stopping")
-                break
+        console.file.flush()  # scripts wait for these lines, also through a pipe
+
+    async with trio.open_nursery() as nursery:
+
+        async def wait_for_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for number in signals:
+                    console.print(
+                        f"{signal.Signals(number).name}: stopping (requests in flight get "
+                        f"{options.exit_timeout:g} s)",
+                        highlight=False,
+                    )
+                    stop.set()
+                    break
+
+        nursery.start_soon(wait_for_signal)
+        await serve(options, stop, on_started=report)
+        nursery.cancel_scope.cancel()
     console.print("stopped")
     return 0
 

@@ -256,6 +256,17 @@ class AsyncServer:
         """The config of a loaded model."""
         return self._registry.resolve(name, version).config
 
+    def is_decoupled(self, name: str) -> bool:
+        """Whether ``name`` streams its responses (a decoupled model, or an ensemble with
+        one): use `stream_infer` for it."""
+        self._registry.resolve(name)
+        return self._registry.decoupled(name)
+
+    @property
+    def model_repository(self) -> Path | None:
+        """The model repository folder the server reads (None without one)."""
+        return self._registry.repository
+
     def model_names(self) -> list[str]:
         """Names of the loaded models and ensembles."""
         return self._registry.model_names()
@@ -303,6 +314,7 @@ async def open_server(
     model_repository: str | os.PathLike[str] | None = None,
     models: Sequence[Model] = (),
     *,
+    load_models: Sequence[str] | None = None,
     cache_config: str | Sequence[str] | None = None,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
@@ -314,6 +326,9 @@ async def open_server(
     Args:
         model_repository: a Triton-layout model repository folder, loaded whole.
         models: models defined in Python (`Model`), loaded next to the repository's.
+        load_models: load only these repository models at start (with the composing models
+            their ensembles need); None loads the whole repository, ``[]`` none of it (load
+            later with `AsyncServer.load_model`).
         cache_config: the response cache, as Triton's ``--cache-config`` values: one string
             or several (``"local,size=1048576"``, or ``["redis,host=localhost",
             "redis,port=6379"]``). Models cache only with ``response_cache { enable: true }``.
@@ -353,7 +368,7 @@ async def open_server(
             cache = await open_cache(settings)
             actor = await stack.enter_async_context(open_cache_actor(cache, settings.name))
         server = await stack.enter_async_context(
-            _open_models(model_repository, models, observers, actor, tracer)
+            _open_models(model_repository, load_models, models, observers, actor, tracer)
         )
         if metrics_port is not None:
             server.metrics_url = await stack.enter_async_context(
@@ -388,6 +403,7 @@ async def _tracing(
 @contextlib.asynccontextmanager
 async def _open_models(
     model_repository: str | os.PathLike[str] | None,
+    load_models: Sequence[str] | None,
     models: Sequence[Model],
     observers: Sequence[Observer],
     cache: CacheActor | None,
@@ -405,7 +421,9 @@ async def _open_models(
             tracing=tracing,
         )
         try:
-            found = await registry.read_repository() if model_repository is not None else []
+            found = []
+            if model_repository is not None and (load_models is None or load_models):
+                found = await registry.read_repository(load_models)
             await registry.load([*found, *models], replace=False)
         except OrchestrionError as exc:
             error = exc

@@ -97,3 +97,10 @@ class QueueTimeoutError(InferenceTimeoutError):
 
     Load: the model cannot keep up. Counted as a REJECTED failure, as in Triton.
     """
+
+
+class ModelControlError(OrchestrionError, RuntimeError):
+    """The server's model control mode does not allow this load or unload.
+
+    The operator's choice (``--model-control-mode``), not a fault in the request or the model.
+    """

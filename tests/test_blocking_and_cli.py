@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from served import start_server
 
 import orchestrion
 from builders import ensemble, model, step, tensor
@@ -114,6 +114,7 @@ def test_public_names() -> None:
             "InvalidRequestError",
             "Model",
             "ModelConfig",
+            "ModelControlError",
             "ModelLoadError",
             "ModelNotFoundError",
             "ModelStatistics",
@@ -272,41 +273,16 @@ def test_cli_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_serve_exposes_metrics_until_interrupted(tiny_example: Path) -> None:
     """`orchestrion serve` loads a repository, serves /metrics, and stops on Ctrl-C."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrion",
-            "serve",
-            "--model-repository",
-            str(tiny_example / "models"),
-            "--metrics-port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    served = start_server(repository=tiny_example / "models")
     try:
-        assert process.stdout is not None
-        url = None
-        for line in process.stdout:  # bounded: the process prints a few lines, then waits
-            if line.startswith("metrics at "):
-                url = line.split()[-1]
-                break
-        assert url is not None, "no metrics URL printed"
-        with urllib.request.urlopen(url, timeout=10) as reply:
+        with urllib.request.urlopen(f"http://{served.metrics}/metrics", timeout=10) as reply:
             text = reply.read().decode()
         assert 'nv_inference_request_success{model="inc",version="1"} 0' in text
         assert 'orchestrion_model_load_seconds{model="inc",version="1"}' in text
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
-        assert "stopped" in process.stdout.read()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        code = served.stop(how=signal.SIGINT)
+    assert code == 0
+    assert "stopped" in served.text()
 
 
 def test_cli_runs_the_streaming_example(capsys: pytest.CaptureFixture[str]) -> None:

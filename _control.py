@@ -1,0 +1,176 @@
+"""Model control for the network front ends: Triton's ``--model-control-mode``.
+
+``none``: the whole repository is loaded at start and the load/unload API is refused.
+``explicit``: only ``--load-model`` names (``*`` for all) are loaded at start; the API loads and
+unloads. ``poll``: the whole repository at start, then every ``poll_interval`` seconds a
+changed model folder is reloaded, a new one loaded and a removed one unloaded; the API is
+refused. Readiness (``/v2/health/ready``) is false while the server stops, and, with strict
+readiness, while a model that should be loaded is not.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from ._server import AsyncServer
+from .protocols import InvalidRequestError, ModelControlError, OrchestrionError
+
+_log = logging.getLogger("orchestrion")
+
+MODES = ("none", "explicit", "poll")
+
+
+@attrs.define(eq=False)
+class ModelControl:
+    """Loads, unloads and reports the models of a served repository."""
+
+    server: AsyncServer
+    mode: str = "none"
+    strict_readiness: bool = True
+    _expected: set[str] = attrs.field(factory=set, init=False)
+    """Models that should be serving (for strict readiness)."""
+    _accepting: bool = attrs.field(default=True, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
+        self._expected = set(self.server.model_names())
+
+    def ready(self) -> bool:
+        """Whether the server is ready for requests (``/v2/health/ready``)."""
+        if not self._accepting:
+            return False
+        if not self.strict_readiness:
+            return True
+        return all(self.server.is_model_ready(name) for name in self._expected)
+
+    def stop_accepting(self) -> None:
+        """Report not-ready from now on (the server is stopping)."""
+        self._accepting = False
+
+    def available(self) -> list[str]:
+        """Names of the repository's model folders (loaded or not)."""
+        root = self.server.model_repository
+        if root is None or not root.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and (p / "config.pbtxt").is_file()
+        )
+
+    def _check_allowed(self, what: str) -> None:
+        if self.mode != "explicit":
+            raise ModelControlError(
+                f"explicit model {what} is not allowed in model control mode '{self.mode}' "
+                "(start the server with --model-control-mode=explicit)"
+            )
+
+    async def load(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
+        """Load (or reload) ``name`` from the repository, with the ensembles' composing models.
+
+        Raises:
+            ModelControlError: the mode is not ``explicit``.
+            InvalidRequestError: load parameters orchestrion does not support (a config
+                override or model files in the request).
+            ConfigError, ModelLoadError: the model cannot be loaded (nothing changes).
+        """
+        self._check_allowed("load")
+        for key in parameters or {}:
+            if key == "config" or key.startswith("file:"):
+                raise InvalidRequestError(
+                    f"load parameter '{key}' (overriding a config or sending model files) is "
+                    "not supported: change the repository instead"
+                )
+        _check_name(name)
+        await self.server.load_model(name)
+        self._expected.add(name)
+        _log.info("loaded model '%s'", name)
+
+    async def unload(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
+        """Unload ``name`` (``unload_dependents``: and the ensembles that use it).
+
+        Raises:
+            ModelControlError: the mode is not ``explicit``.
+            ModelNotFoundError: not loaded.
+            ConfigError: ensembles use it and ``unload_dependents`` is not set.
+        """
+        self._check_allowed("unload")
+        dependents = (parameters or {}).get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise InvalidRequestError("unload parameter 'unload_dependents' must be a boolean")
+        before = set(self.server.model_names())
+        await self.server.unload_model(name, unload_dependents=dependents)
+        self._expected -= before - set(self.server.model_names())
+        _log.info("unloaded model '%s'", name)
+
+    async def load_at_start(self, names: Sequence[str]) -> None:
+        """Explicit mode's ``--load-model`` names (``*``: the whole repository)."""
+        wanted = self.available() if "*" in names else list(dict.fromkeys(names))
+        for name in wanted:
+            _check_name(name)
+            await self.server.load_model(name)
+        self._expected = set(self.server.model_names())
+
+    async def poll(self, interval: float) -> None:
+        """Poll mode: apply repository changes every ``interval`` seconds, until cancelled.
+
+        A model that fails to load is logged and left as it was; the server keeps serving.
+        """
+        seen = await trio.to_thread.run_sync(self._fingerprints)
+        while True:
+            await trio.sleep(interval)
+            now = await trio.to_thread.run_sync(self._fingerprints)
+            await self.apply_changes(seen, now)
+            seen = now
+
+    async def apply_changes(
+        self, before: Mapping[str, object], after: Mapping[str, object]
+    ) -> None:
+        """Reload changed folders, load new ones and unload removed ones (poll mode)."""
+        for name in sorted(before.keys() - after.keys()):
+            try:
+                await self.server.unload_model(name, unload_dependents=True)
+                self._expected.discard(name)
+                _log.info("model folder '%s' removed: unloaded", name)
+            except OrchestrionError as exc:
+                _log.error("model folder '%s' removed, unloading failed: %s", name, exc)
+        for name in sorted(after):
+            if before.get(name) == after[name]:
+                continue
+            try:
+                await self.server.load_model(name)
+                self._expected.add(name)
+                _log.info("model folder '%s' changed: loaded", name)
+            except OrchestrionError as exc:
+                _log.error("model folder '%s' changed, loading failed: %s", name, exc)
+
+    def _fingerprints(self) -> dict[str, object]:
+        """Per model folder: every file's path, size and modification time."""
+        root = self.server.model_repository
+        found: dict[str, object] = {}
+        if root is None:
+            return found
+        for name in self.available():
+            folder = root / name
+            found[name] = tuple(
+                sorted(
+                    (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                    for p in folder.rglob("*")
+                    if p.is_file() and "__pycache__" not in p.parts
+                )
+            )
+        return found
+
+
+def _check_name(name: str) -> None:
+    """A model name is one folder of the repository: never a path out of it."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise InvalidRequestError(f"invalid model name {name!r:.80}: a repository folder name")
+    if Path(name).name != name:
+        raise InvalidRequestError(f"invalid model name {name!r:.80}")

@@ -1,0 +1,539 @@
+"""The KServe v2 gRPC front end: Triton's ``inference.GRPCInferenceService``.
+
+How this works: grpcio's asyncio server (its C core does HTTP/2) runs on an asyncio event loop
+in one worker thread that a trio task owns; the models run on trio. `TrioBridge` connects the
+two without blocking either loop: asyncio hands a call to trio with
+``TrioToken.run_sync_soon`` (thread-safe, never waits), the call runs as a task in a trio
+nursery the front end owns, and its result comes back with ``loop.call_soon_threadsafe``.
+Cancellation crosses too: an RPC that the client abandons cancels its trio task, and closing
+the front end cancels what is left. A stream (ModelStreamInfer) is one trio task that runs
+its requests concurrently, keeps each sequence's requests in order, and sends responses as
+they are ready.
+
+The message classes come from tritonclient's generated modules (never re-generated here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import attrs
+import grpc
+import trio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from ._control import ModelControl
+from ._http_api import _os_error
+from ._server import AsyncServer
+from .protocols import ConfigError, InferenceTimeoutError, OrchestrionError, ServerClosedError
+from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
+from .protocols._kserve_grpc import (
+    decode_grpc_request,
+    encode_grpc_response,
+    final_response,
+    model_config_response,
+    model_metadata_message,
+    model_statistics_message,
+    parameter_value,
+    repository_index_message,
+    server_metadata_message,
+)
+
+_log = logging.getLogger("orchestrion.grpc")
+T = TypeVar("T")
+
+DEFAULT_MAX_MESSAGE_SIZE = 2**31 - 1
+"""Triton raises gRPC's 4 MiB message limit to the largest size gRPC allows."""
+
+STREAM_WINDOW = 1024
+"""Requests of one stream that may run at once; the stream reads no further until one ends."""
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One asyncio-to-trio call in flight."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    scope: trio.CancelScope | None = None
+    abandoned: bool = False
+
+    def deliver(self, result: object = None, error: BaseException | None = None) -> None:
+        """Hand the outcome to the asyncio side (from the trio thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+
+    def cancel(self) -> None:
+        """The asyncio side gave up (runs on the trio thread)."""
+        self.abandoned = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@attrs.define(eq=False)
+class TrioBridge:
+    """Runs trio async functions for code on an asyncio loop in another thread."""
+
+    token: trio.lowlevel.TrioToken
+    nursery: trio.Nursery
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in trio and return its result (called on asyncio).
+
+        Cancelling the awaiting asyncio task cancels the trio task.
+        """
+        loop = asyncio.get_running_loop()
+        call = _Call(loop, loop.create_future())
+        try:
+            self.token.run_sync_soon(self._start, call, fn, args)
+        except trio.RunFinishedError:
+            raise ServerClosedError("the server is shutting down") from None
+        try:
+            result: T = await call.future
+        except asyncio.CancelledError:
+            with contextlib.suppress(trio.RunFinishedError):
+                self.token.run_sync_soon(call.cancel)
+            raise
+        return result
+
+    def _start(self, call: _Call, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        try:
+            self.nursery.start_soon(self._run, call, fn, args)
+        except RuntimeError:  # the nursery is closed: the server is stopping
+            call.deliver(error=ServerClosedError("the server is shutting down"))
+
+    async def _run(
+        self, call: _Call, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]
+    ) -> None:
+        delivered = False
+        try:
+            with trio.CancelScope() as call.scope:
+                if call.abandoned:
+                    call.scope.cancel()
+                result = await fn(*args)
+                call.deliver(result)
+                delivered = True
+        except Exception as exc:
+            call.deliver(error=exc)
+            delivered = True
+        finally:
+            if not delivered:
+                call.deliver(error=ServerClosedError("the server is shutting down"))
+
+
+def _traceparent(context: Any) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return str(value)
+    return None
+
+
+@attrs.define(eq=False, slots=False)
+class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The servicer: each RPC of ``GRPCInferenceService`` (runs on the asyncio loop)."""
+
+    server: AsyncServer
+    control: ModelControl
+    bridge: TrioBridge
+    version: str
+
+    async def _abort(self, context: Any, error: BaseException) -> None:
+        if not isinstance(error, OrchestrionError):
+            _log.error("gRPC call failed unexpectedly", exc_info=error)
+        await context.abort(grpc.StatusCode[grpc_status(error)], error_message(error))
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        """Whether the server is live."""
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        """Whether the server is ready."""
+        return service_pb2.ServerReadyResponse(ready=self.control.ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        """Whether a model (version) is ready."""
+        try:
+            version = parse_version(request.version)
+        except OrchestrionError as exc:
+            await self._abort(context, exc)
+        return service_pb2.ModelReadyResponse(
+            ready=self.server.is_model_ready(request.name, version)
+        )
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        """Server name, version and extensions."""
+        return server_metadata_message(self.version)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        """A model's inputs and outputs (``-1`` for the batch dimension)."""
+        try:
+            version = parse_version(request.version)
+            config = self.server.model_config(request.name, version)
+            versions = self.server.model_versions(request.name) if version < 1 else [version]
+            return model_metadata_message(config, versions)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        """A model's config, in Triton's ``ModelConfig`` message."""
+        try:
+            return model_config_response(
+                self.server.model_config(request.name, parse_version(request.version))
+            )
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        """Triton's statistics of one model, or of all (empty name)."""
+        try:
+            version = parse_version(request.version)
+            statistics = (
+                self.server.model_statistics(request.name, version if version > 0 else None)
+                if request.name
+                else self.server.model_statistics()
+            )
+            return model_statistics_message(statistics)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        """The repository's models and their state."""
+        loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
+        return repository_index_message(loaded, self.control.available(), ready_only=request.ready)
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        """Load a model (explicit mode)."""
+        parameters = {k: parameter_value(v) for k, v in request.parameters.items()}
+        try:
+            await self.bridge.call(self.control.load, request.model_name, parameters)
+        except Exception as exc:
+            await self._abort(context, exc)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        """Unload a model (explicit mode)."""
+        parameters = {k: parameter_value(v) for k, v in request.parameters.items()}
+        try:
+            await self.bridge.call(self.control.unload, request.model_name, parameters)
+        except Exception as exc:
+            await self._abort(context, exc)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        """One inference."""
+        try:
+            wire = decode_grpc_request(request)
+            return await self.bridge.call(self._infer, wire, _traceparent(context))
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def _infer(self, wire: WireRequest, traceparent: str | None) -> Any:
+        response = await self.server.infer(
+            wire.model_name,
+            wire.inputs,
+            **wire.infer_arguments(),
+            timeout=wire.timeout,
+            traceparent=traceparent,
+        )
+        return encode_grpc_response(response)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        """No shared memory regions: orchestrion does not offer shared memory."""
+        return service_pb2.SystemSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        """No CUDA shared memory regions."""
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        """Nothing to unregister."""
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        """Nothing to unregister."""
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        """Refused: tensors travel in the messages."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "shared memory is not supported")
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        """Refused: tensors travel in the messages."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "CUDA shared memory is not supported")
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        """Refused: tracing is configured at start (``--trace-config``)."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "trace settings are set at start with --trace-config"
+        )
+
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        """Refused: logging is configured at start (``--log-verbose``)."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "log settings are set at start with --log-verbose"
+        )
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        """A bidirectional stream: decoupled models, sequences, or any model."""
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(
+            self.server, lambda item: loop.call_soon_threadsafe(responses.put_nowait, item)
+        )
+        traceparent = _traceparent(context)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    await self.bridge.call(stream.submit, message, traceparent)
+            finally:
+                await self.bridge.call(stream.close_input)
+
+        session = asyncio.ensure_future(self.bridge.call(stream.run))
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await responses.get()
+                if item is _END:
+                    break
+                yield item
+            await reader
+            await session
+        finally:
+            reader.cancel()
+            session.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.gather(reader, session, return_exceptions=True)
+
+
+_END = object()
+"""Marks the end of a stream's responses."""
+
+
+@attrs.define(eq=False)
+class _Stream:
+    """One ModelStreamInfer stream on the trio side."""
+
+    server: AsyncServer
+    emit: Callable[[Any], object]
+    _nursery: trio.Nursery | None = None
+    _window: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_WINDOW))
+    _lanes: dict[int | str, trio.MemorySendChannel[Any]] = attrs.field(factory=dict)
+    _input_closed: trio.Event = attrs.field(factory=trio.Event)
+    _started: trio.Event = attrs.field(factory=trio.Event)
+
+    async def run(self) -> None:
+        """Serve the stream's requests until the input ends and every answer is sent."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._started.set()
+                await self._input_closed.wait()
+                for lane in self._lanes.values():
+                    lane.close()
+        finally:
+            self.emit(_END)
+
+    async def close_input(self) -> None:
+        """The client half-closed the stream (or went away)."""
+        self._input_closed.set()
+
+    async def submit(self, message: Any, traceparent: str | None) -> None:
+        """Start one request of the stream (waits while the window is full)."""
+        await self._started.wait()
+        assert self._nursery is not None
+        await self._window.acquire()
+        try:
+            wire = decode_grpc_request(message)
+        except OrchestrionError as exc:
+            self._window.release()
+            self.emit(_error_response(message.model_name, message.model_version, message.id, exc))
+            return
+        if wire.sequence_id:
+            lane = self._lanes.get(wire.sequence_id)
+            if lane is None:
+                send, receive = trio.open_memory_channel[Any](math.inf)
+                self._lanes[wire.sequence_id] = lane = send
+                self._nursery.start_soon(self._lane, receive)
+            lane.send_nowait((wire, traceparent))
+            if wire.sequence_end:
+                lane.close()
+                del self._lanes[wire.sequence_id]
+        else:
+            self._nursery.start_soon(self._answer, wire, traceparent)
+
+    async def _lane(self, receive: trio.MemoryReceiveChannel[Any]) -> None:
+        # A sequence's requests run one after another, in the order the client sent them.
+        async with receive:
+            async for wire, traceparent in receive:
+                await self._answer(wire, traceparent)
+
+    async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
+        try:
+            decoupled = self.server.is_decoupled(wire.model_name)
+            responses = self.server.stream_infer(
+                wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
+            )
+            async with contextlib.aclosing(responses) as each:
+                with trio.fail_after(wire.timeout or math.inf):
+                    async for response in each:
+                        message = encode_grpc_response(response, final=not decoupled)
+                        self.emit(_stream_response(message))
+            if decoupled and wire.empty_final_response:
+                version = str(wire.model_version)
+                self.emit(
+                    _stream_response(final_response(wire.model_name, version, wire.request_id))
+                )
+        except trio.TooSlowError:
+            error = InferenceTimeoutError(
+                f"request for model '{wire.model_name}' timed out after {wire.timeout} s"
+            )
+            self.emit(
+                _error_response(wire.model_name, str(wire.model_version), wire.request_id, error)
+            )
+        except Exception as exc:
+            if not isinstance(exc, OrchestrionError):
+                _log.error("stream request failed unexpectedly", exc_info=exc)
+            self.emit(
+                _error_response(wire.model_name, str(wire.model_version), wire.request_id, exc)
+            )
+        finally:
+            self._window.release()
+
+
+def _stream_response(message: Any) -> Any:
+    return service_pb2.ModelStreamInferResponse(infer_response=message)
+
+
+def _error_response(model: str, version: str, request_id: str, error: BaseException) -> Any:
+    return service_pb2.ModelStreamInferResponse(
+        error_message=error_message(error),
+        infer_response=service_pb2.ModelInferResponse(
+            model_name=model, model_version=version if version != "-1" else "", id=request_id
+        ),
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_grpc_api(
+    server: AsyncServer,
+    control: ModelControl,
+    version: str,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    *,
+    exit_timeout: float = 30.0,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+) -> AsyncIterator[tuple[str, Callable[[], None]]]:
+    """Serve ``inference.GRPCInferenceService`` for the duration of the block.
+
+    Yields the address it listens on (``port=0`` picks a free one) and a function that
+    starts a graceful stop: no new RPCs, those in flight get up to ``exit_timeout`` seconds.
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"gRPC port {port} is not a TCP port (0-65535; 0: any free port)")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bind_error: OSError | None = None
+    error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        bridge = TrioBridge(trio.lowlevel.current_trio_token(), nursery)
+        service = InferenceService(server, control, bridge, version)
+        loop_thread = _LoopThread(service, address, max_message_size)
+        try:
+            bound = await nursery.start(loop_thread.run)
+        except BaseException as exc:
+            bind_error = _os_error(exc)
+            if bind_error is None:
+                raise
+        else:
+            try:
+                yield f"{host}:{bound}", lambda: loop_thread.stop(exit_timeout)
+            except BaseException as exc:  # the caller's: leaves as itself, after a quick stop
+                error = exc
+                loop_thread.stop(0.0)
+            else:
+                loop_thread.stop(exit_timeout)
+    if error is not None:
+        raise error
+    if bind_error is not None:
+        raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
+
+
+@attrs.define(eq=False)
+class _LoopThread:
+    """The asyncio loop (in a worker thread) that runs grpcio's server."""
+
+    service: InferenceService
+    address: str
+    max_message_size: int
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+    _grace: float = 0.0
+
+    async def run(self, task_status: trio.TaskStatus[int]) -> None:
+        """Run the loop in a thread until `stop`; reports the bound port when serving."""
+        token = trio.lowlevel.current_trio_token()
+
+        def started(port: int) -> None:
+            task_status.started(port)
+
+        def main() -> None:
+            asyncio.run(self._serve(lambda port: token.run_sync_soon(started, port)))
+
+        await trio.to_thread.run_sync(main)
+
+    async def _serve(self, started: Callable[[int], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        limit = self.max_message_size
+        grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, grpc_server)
+        try:
+            port = grpc_server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise OSError(f"{self.address} cannot be bound ({exc})") from None
+        if port == 0:
+            raise OSError(f"{self.address} cannot be bound")
+        await grpc_server.start()
+        started(port)
+        try:
+            await self._stop.wait()
+        finally:
+            await grpc_server.stop(self._grace)
+
+    def stop(self, grace: float) -> None:
+        """Stop the server (from the trio thread): RPCs in flight get ``grace`` seconds."""
+        loop, event = self._loop, self._stop
+        if loop is None or event is None:
+            return
+        self._grace = grace
+
+        def set_stop() -> None:
+            self._grace = min(self._grace, grace)
+            event.set()
+
+        with contextlib.suppress(RuntimeError):  # the loop has already ended
+            loop.call_soon_threadsafe(set_stop)

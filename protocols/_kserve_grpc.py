@@ -1,0 +1,215 @@
+"""The gRPC messages of ``inference.GRPCInferenceService`` (tritonclient's generated
+classes), to and from orchestrion's requests and responses. No I/O.
+
+Tensors travel in ``raw_input_contents``/``raw_output_contents`` (the bytes of `_kserve`), or,
+on input, in the typed ``contents`` fields. The documents shared with HTTP (metadata,
+statistics, the repository index) are built once, as JSON, and parsed into the messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2
+
+from ._config import ModelConfig
+from ._dtypes import DataType
+from ._errors import InvalidRequestError
+from ._kserve import (
+    WireRequest,
+    data_type,
+    element_count,
+    model_config_message,
+    model_metadata,
+    model_statistics_json,
+    parse_version,
+    repository_index,
+    request_options,
+    server_metadata,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from ._messages import InferResponse, ParameterValue
+from ._statistics import ModelStatistics
+
+_CONTENTS = {
+    DataType.BOOL: "bool_contents",
+    DataType.INT8: "int_contents",
+    DataType.INT16: "int_contents",
+    DataType.INT32: "int_contents",
+    DataType.INT64: "int64_contents",
+    DataType.UINT8: "uint_contents",
+    DataType.UINT16: "uint_contents",
+    DataType.UINT32: "uint_contents",
+    DataType.UINT64: "uint64_contents",
+    DataType.FP32: "fp32_contents",
+    DataType.FP64: "fp64_contents",
+    DataType.BYTES: "bytes_contents",
+}
+"""Which typed ``InferTensorContents`` field carries each data type (FP16/BF16: none)."""
+
+
+def parameter_value(parameter: Any) -> ParameterValue:
+    """The value of an ``InferParameter`` (whichever of its fields is set)."""
+    which = parameter.WhichOneof("parameter_choice")
+    if which is None:
+        return ""
+    value: ParameterValue = getattr(parameter, which)
+    return value
+
+
+def set_parameter(parameter: Any, value: ParameterValue) -> None:
+    """Write a value into an ``InferParameter`` of the matching kind."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def decode_grpc_request(message: Any) -> WireRequest:
+    """A ``ModelInferRequest`` as a `WireRequest`.
+
+    Raises:
+        InvalidRequestError: a tensor or a parameter is malformed (its name said).
+    """
+    parameters = {key: parameter_value(value) for key, value in message.parameters.items()}
+    options = request_options(parameters)
+    options.pop("binary_default", None)
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidRequestError(
+            f"expected {len(message.inputs)} raw_input_contents (one per input), got {len(raw)}"
+        )
+    inputs: dict[str, np.ndarray[Any, Any]] = {}
+    for index, tensor in enumerate(message.inputs):
+        name = tensor.name
+        if name in inputs:
+            raise InvalidRequestError(f"input '{name}' is given twice")
+        dtype = data_type(tensor.datatype, name)
+        shape = list(tensor.shape)
+        if any(key.startswith("shared_memory") for key in tensor.parameters):
+            raise InvalidRequestError(f"input '{name}': shared memory is not supported")
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidRequestError(
+                    f"input '{name}': contents and raw_input_contents cannot both be used"
+                )
+            inputs[name] = tensor_from_bytes(raw[index], dtype, shape, name)
+        else:
+            inputs[name] = _from_contents(tensor, dtype, shape)
+    outputs = tuple(output.name for output in message.outputs) or None
+    for output in message.outputs:
+        if "classification" in output.parameters:
+            raise InvalidRequestError(
+                f"output '{output.name}': the classification extension is not supported"
+            )
+    return WireRequest(
+        model_name=message.model_name,
+        model_version=parse_version(message.model_version),
+        inputs=inputs,
+        outputs=outputs,
+        request_id=message.id,
+        **options,
+    )
+
+
+def _from_contents(tensor: Any, dtype: DataType, shape: list[int]) -> np.ndarray[Any, Any]:
+    field = _CONTENTS.get(dtype)
+    if field is None:
+        raise InvalidRequestError(
+            f"input '{tensor.name}': {dtype.value} tensors can only be sent in raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    count = element_count(shape, tensor.name)
+    if len(values) != count:
+        raise InvalidRequestError(
+            f"unexpected number of elements {len(values)} for input '{tensor.name}' of shape "
+            f"{shape}, expecting {count}"
+        )
+    if dtype is DataType.BYTES:
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(tuple(shape))
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            return np.array(values, dtype=dtype.numpy_dtype).reshape(tuple(shape))
+    except (OverflowError, FloatingPointError, ValueError):
+        raise InvalidRequestError(
+            f"input '{tensor.name}': a value does not fit in {dtype.value}"
+        ) from None
+
+
+def encode_grpc_response(response: InferResponse, *, final: bool | None = None) -> Any:
+    """A ``ModelInferResponse`` with every output in ``raw_output_contents``.
+
+    ``final`` sets the ``triton_final_response`` parameter (streams).
+    """
+    message = service_pb2.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=str(response.model_version),
+        id=response.request_id,
+    )
+    for key, value in response.parameters.items():
+        set_parameter(message.parameters[key], value)
+    if final is not None:
+        message.parameters["triton_final_response"].bool_param = final
+    for name, array in response.outputs.items():
+        output = message.outputs.add()
+        output.name = name
+        output.datatype = DataType.from_numpy(array.dtype).value
+        output.shape.extend(array.shape)
+        message.raw_output_contents.append(bytes(tensor_to_bytes(array)))
+    return message
+
+
+def final_response(model_name: str, model_version: str, request_id: str) -> Any:
+    """The empty response that ends a decoupled request's stream
+    (``triton_enable_empty_final_response``)."""
+    message = service_pb2.ModelInferResponse(
+        model_name=model_name, model_version=model_version, id=request_id
+    )
+    message.parameters["triton_final_response"].bool_param = True
+    return message
+
+
+def server_metadata_message(version: str) -> Any:
+    """``ServerMetadataResponse``."""
+    return json_format.ParseDict(server_metadata(version), service_pb2.ServerMetadataResponse())
+
+
+def model_metadata_message(config: ModelConfig, versions: Sequence[int]) -> Any:
+    """``ModelMetadataResponse``."""
+    return json_format.ParseDict(
+        model_metadata(config, versions), service_pb2.ModelMetadataResponse()
+    )
+
+
+def model_config_response(config: ModelConfig) -> Any:
+    """``ModelConfigResponse``."""
+    return service_pb2.ModelConfigResponse(config=model_config_message(config))
+
+
+def model_statistics_message(statistics: Sequence[ModelStatistics]) -> Any:
+    """``ModelStatisticsResponse``."""
+    return json_format.ParseDict(
+        model_statistics_json(statistics),
+        service_pb2.ModelStatisticsResponse(),
+        ignore_unknown_fields=True,
+    )
+
+
+def repository_index_message(
+    loaded: Mapping[str, Sequence[int]], available: Sequence[str], *, ready_only: bool
+) -> Any:
+    """``RepositoryIndexResponse``."""
+    return json_format.ParseDict(
+        {"models": repository_index(loaded, available, ready_only=ready_only)},
+        service_pb2.RepositoryIndexResponse(),
+    )

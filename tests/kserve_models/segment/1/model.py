@@ -1,0 +1,2 @@
+def execute(X):
+    return {"SEG": -X}

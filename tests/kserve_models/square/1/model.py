@@ -1,0 +1,5 @@
+JIT = False
+
+
+def execute(Y):
+    return {"Z": Y * Y}

@@ -1,0 +1,170 @@
+"""The front ends inside a trio program: cancellation crosses them, traces join the caller's."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from served import MODELS
+from tritonclient.utils import InferenceServerException
+
+from orchestrion import AsyncServer, open_server
+from orchestrion._control import ModelControl
+from orchestrion._grpc_api import open_grpc_api
+from orchestrion._http_api import HttpApi, open_http_api
+
+
+@contextlib.asynccontextmanager
+async def front_ends(**server_options: Any) -> AsyncIterator[tuple[AsyncServer, str, str]]:
+    async with open_server(MODELS, **server_options) as server:
+        control = ModelControl(server)
+        api = HttpApi(server, control, "test")
+        async with (
+            open_http_api(api, port=0, exit_timeout=5) as (http_address, _),
+            open_grpc_api(server, control, "test", port=0, exit_timeout=5) as (grpc_address, _),
+        ):
+            yield server, http_address, grpc_address
+
+
+def _pending(server: AsyncServer, model: str) -> int:
+    return server.model_statistics(model)[0].pending_request_count
+
+
+async def _wait_until(condition: Any, limit: float = 30.0) -> None:
+    # Polls: the state changes in reaction to sockets and threads, not to a trio event.
+    with trio.fail_after(limit):
+        while not condition():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def test_http_client_disconnect_cancels_the_work() -> None:
+    """A client that closes its connection mid-request frees the model at once (CANCELED)."""
+    async with front_ends() as (server, http_address, _):
+        host, port = http_address.rsplit(":", 1)
+        body = b'{"inputs":[{"name":"DELAY","datatype":"FP32","shape":[1],"data":[60.0]}]}'
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        await _wait_until(lambda: _pending(server, "sleepy") == 1)
+        await stream.aclose()
+        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        stats = server.model_statistics("sleepy")[0]
+        assert stats.failures_by_reason.get("CANCELED") == 1
+
+
+async def test_grpc_client_deadline_cancels_the_work() -> None:
+    """A gRPC client that gives up (its deadline) cancels the trio task running its request."""
+    async with front_ends() as (server, _, grpc_address):
+
+        def call() -> InferenceServerException:
+            client = grpcclient.InferenceServerClient(grpc_address)
+            item = grpcclient.InferInput("DELAY", [1], "FP32")
+            item.set_data_from_numpy(np.array([60.0], np.float32))
+            try:
+                client.infer("sleepy", [item], client_timeout=0.5)
+            except InferenceServerException as exc:
+                return exc
+            finally:
+                client.close()
+            raise AssertionError("the deadline did not fire")
+
+        error = await trio.to_thread.run_sync(call)
+        assert "Deadline" in str(error.status()) or "DEADLINE" in str(error.status())
+        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        assert server.model_statistics("sleepy")[0].failures_by_reason.get("CANCELED") == 1
+
+
+async def test_grpc_stream_closed_mid_stream_stops_the_generator() -> None:
+    """A client that stops its stream while a decoupled model is producing frees the model."""
+    async with front_ends() as (server, _, grpc_address):
+
+        def call() -> None:
+            client = grpcclient.InferenceServerClient(grpc_address)
+            got: list[Any] = []
+            client.start_stream(callback=lambda result, error: got.append((result, error)))
+            item = grpcclient.InferInput("DELAY", [1], "FP32")
+            item.set_data_from_numpy(np.array([60.0], np.float32))
+            client.async_stream_infer("sleepy", [item])
+            with trio.from_thread.run(_wait_pending, server):
+                pass
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+        await trio.to_thread.run_sync(call)
+        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+
+
+@contextlib.contextmanager
+def _noop() -> Any:
+    yield
+
+
+async def _wait_pending(server: AsyncServer) -> Any:
+    await _wait_until(lambda: _pending(server, "sleepy") == 1)
+    return _noop()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+async def test_incoming_traceparent_becomes_the_parent(protocol: str) -> None:
+    """A W3C traceparent header (HTTP) or metadata entry (gRPC) parents the request's span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = "00f067aa0ba902b7"
+    header = f"00-{trace_id}-{parent}-01"
+    async with front_ends(tracing=provider) as (_, http_address, grpc_address):
+
+        def call() -> None:
+            module: Any = httpclient if protocol == "http" else grpcclient
+            client = module.InferenceServerClient(
+                http_address if protocol == "http" else grpc_address
+            )
+            item = module.InferInput("X", [1], "FP32")
+            item.set_data_from_numpy(np.array([1.0], np.float32))
+            client.infer("fragile", [item], headers={"traceparent": header})
+            client.close()
+
+        await trio.to_thread.run_sync(call)
+    roots = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == int(parent, 16)
+    ]
+    assert len(roots) == 1
+    assert roots[0].context.trace_id == int(trace_id, 16)
+
+
+async def test_bind_errors_are_config_errors() -> None:
+    """A taken port is a ConfigError naming the address, for both front ends."""
+    from orchestrion import ConfigError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        async with open_server(MODELS, load_models=["square"]) as server:
+            control = ModelControl(server)
+            with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+                async with open_http_api(HttpApi(server, control, "t"), port=port):
+                    pass
+            with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+                async with open_grpc_api(server, control, "t", port=port):
+                    pass
+    finally:
+        taken.close()
