@@ -28,7 +28,6 @@ import trio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from ._control import ModelControl
-from ._http_api import _os_error
 from ._server import AsyncServer
 from .protocols import ConfigError, InferenceTimeoutError, OrchestrionError, ServerClosedError
 from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
@@ -474,6 +473,18 @@ async def open_grpc_api(
         raise error
     if bind_error is not None:
         raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError inside a (nested) exception group of a failed start, if any."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _os_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 @attrs.define(eq=False)
