@@ -597,8 +597,13 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_message(config: ModelConfig) -> Any:
-    """The model config as Triton's protobuf ``ModelConfig`` message."""
-    return json_format.ParseDict(model_config_to_dict(config), model_config_pb2.ModelConfig())
+    """The model config as Triton's protobuf ``ModelConfig`` message, with the defaults
+    Triton fills in (version policy, transaction policy) present."""
+    message = json_format.ParseDict(model_config_to_dict(config), model_config_pb2.ModelConfig())
+    if not message.HasField("version_policy"):
+        message.version_policy.latest.num_versions = 1
+    message.model_transaction_policy.SetInParent()
+    return message
 
 
 _INTEGER_TYPES = frozenset({3, 4, 5, 6, 13, 15, 16, 17, 18})  # FieldDescriptor.TYPE_*INT*
@@ -636,8 +641,10 @@ def _numbers(message: Any, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_repeated(field: Any) -> bool:
-    repeated: bool = field.label == field.LABEL_REPEATED
-    return repeated
+    check = getattr(field, "is_repeated", None)  # protobuf >= 6.30; `label` is deprecated
+    if check is None:
+        return bool(field.label == field.LABEL_REPEATED)
+    return bool(check() if callable(check) else check)
 
 
 def _duration(stats: DurationStatistics) -> dict[str, int]:

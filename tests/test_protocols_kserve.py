@@ -1,0 +1,319 @@
+"""The KServe v2 wire formats (pure): tensors as bytes, HTTP bodies, gRPC messages, errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from tritonclient.grpc import service_pb2
+
+from orchestrion.protocols import (
+    DataType,
+    InferenceError,
+    InferResponse,
+    InvalidRequestError,
+    ModelControlError,
+    ModelNotFoundError,
+    QueueFullError,
+    parse_model_config,
+)
+from orchestrion.protocols._kserve import (
+    decode_http_request,
+    encode_http_response,
+    grpc_status,
+    http_status,
+    model_config_json,
+    model_metadata,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from orchestrion.protocols._kserve_grpc import decode_grpc_request, encode_grpc_response
+
+NUMERIC = [t for t in DataType if t is not DataType.BYTES]
+
+
+@given(
+    st.sampled_from(NUMERIC).flatmap(
+        lambda t: st.tuples(
+            st.just(t),
+            hnp.arrays(
+                t.numpy_dtype if t is not DataType.BF16 else np.dtype(np.uint16),
+                hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+            ),
+        )
+    )
+)
+def test_numeric_tensors_round_trip_through_bytes(case: tuple[DataType, Any]) -> None:
+    """Any numeric tensor comes back bit for bit from its raw bytes."""
+    dtype, array = case
+    if dtype is DataType.BF16:
+        array = array.view(ml_dtypes.bfloat16)
+    if dtype is DataType.BOOL:
+        array = array.astype(np.bool_)
+    back = tensor_from_bytes(bytes(tensor_to_bytes(array)), dtype, list(array.shape), "X")
+    assert back.dtype == dtype.numpy_dtype
+    assert back.shape == array.shape
+    assert back.tobytes() == array.tobytes()
+
+
+@given(st.lists(st.binary(max_size=20), min_size=1, max_size=12))
+def test_bytes_tensors_round_trip_with_length_prefixes(items: list[bytes]) -> None:
+    """BYTES elements travel as 4-byte little-endian lengths and come back unchanged."""
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    raw = bytes(tensor_to_bytes(array))
+    assert raw[:4] == struct.pack("<I", len(items[0]))
+    back = tensor_from_bytes(raw, DataType.BYTES, [len(items)], "S")
+    assert back.tolist() == items
+
+
+@pytest.mark.parametrize(
+    ("raw", "count", "message"),
+    [
+        (b"\x05\x00\x00\x00ab", 1, "claims 5 bytes, only 2 remain"),
+        (b"\x01\x00\x00\x00a", 2, "ends after 1 of 2 elements"),
+        (b"\x01\x00\x00\x00ab", 1, "1 bytes left over"),
+    ],
+)
+def test_lying_bytes_prefixes_are_invalid_requests(raw: bytes, count: int, message: str) -> None:
+    """A BYTES buffer whose length prefixes do not add up is refused, saying how."""
+    with pytest.raises(InvalidRequestError, match=message):
+        tensor_from_bytes(raw, DataType.BYTES, [count], "S")
+
+
+def test_byte_size_and_bool_values_are_checked() -> None:
+    """A buffer of the wrong size, or BOOL bytes other than 0/1, are refused."""
+    with pytest.raises(InvalidRequestError, match="unexpected total byte size 7"):
+        tensor_from_bytes(b"\x00" * 7, DataType.FP32, [2], "X")
+    with pytest.raises(InvalidRequestError, match="BOOL elements must be bytes 0 or 1"):
+        tensor_from_bytes(b"\x00\x02", DataType.BOOL, [2], "B")
+    with pytest.raises(InvalidRequestError, match="dims must be non-negative"):
+        tensor_from_bytes(b"", DataType.FP32, [-1], "X")
+
+
+def _http(document: dict[str, Any], binary: bytes = b"") -> Any:
+    header = json.dumps(document).encode()
+    return decode_http_request("m", "", header + binary, len(header) if binary else None)
+
+
+def test_http_json_and_binary_inputs_decode() -> None:
+    """JSON data (flat or nested) and binary data decode to the declared dtype and shape."""
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    request = _http(
+        {
+            "id": "r1",
+            "inputs": [
+                {"name": "A", "datatype": "INT32", "shape": [2, 3], "data": [[0, 1, 2], [3, 4, 5]]},
+                {
+                    "name": "B",
+                    "datatype": "INT32",
+                    "shape": [2, 3],
+                    "parameters": {"binary_data_size": 24},
+                },
+            ],
+            "outputs": [{"name": "Y", "parameters": {"binary_data": True}}],
+            "parameters": {
+                "sequence_id": 9,
+                "sequence_start": True,
+                "priority": 2,
+                "timeout": 1500000,
+                "custom": "yes",
+            },
+        },
+        x.tobytes(),
+    )
+    assert request.inputs["A"].tolist() == x.tolist()
+    assert request.inputs["B"].tolist() == x.tolist()
+    assert request.request_id == "r1"
+    assert request.outputs == ("Y",)
+    assert request.binary_outputs == {"Y": True}
+    assert (request.sequence_id, request.sequence_start, request.priority) == (9, True, 2)
+    assert request.timeout == pytest.approx(1.5)
+    assert request.parameters == {"custom": "yes"}
+
+
+@pytest.mark.parametrize(
+    ("document", "binary", "message"),
+    [
+        ({"inputs": {}}, b"", "needs an 'inputs' array"),
+        (
+            {"inputs": [{"name": "A", "datatype": "FP33", "shape": [1], "data": [1]}]},
+            b"",
+            "invalid datatype 'FP33'",
+        ),
+        (
+            {"inputs": [{"name": "A", "datatype": "FP32", "shape": [2], "data": [1]}]},
+            b"",
+            "unexpected number of elements 1",
+        ),
+        (
+            {"inputs": [{"name": "A", "datatype": "INT8", "shape": [1], "data": [300]}]},
+            b"",
+            "does not fit in INT8",
+        ),
+        (
+            {"inputs": [{"name": "A", "datatype": "INT8", "shape": [1], "data": [1.5]}]},
+            b"",
+            "must be integers",
+        ),
+        (
+            {"inputs": [{"name": "A", "datatype": "FP16", "shape": [1], "data": [1.0]}]},
+            b"",
+            "only be sent as binary data",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "A",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "parameters": {"binary_data_size": 8},
+                    }
+                ]
+            },
+            b"\x00" * 4,
+            "runs past the end of the body",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "A",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "parameters": {"binary_data_size": 4},
+                    }
+                ]
+            },
+            b"\x00" * 8,
+            "4 bytes of binary data follow",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "A", "datatype": "FP32", "shape": [1], "data": [1]},
+                    {"name": "A", "datatype": "FP32", "shape": [1], "data": [1]},
+                ]
+            },
+            b"",
+            "given twice",
+        ),
+        ({"inputs": [], "parameters": {"priority": -1}}, b"", "priority must be"),
+        ({"inputs": [], "parameters": {"shared_memory_region": "r"}}, b"", "shared memory"),
+        (
+            {"inputs": [], "outputs": [{"name": "Y", "parameters": {"classification": 3}}]},
+            b"",
+            "classification",
+        ),
+    ],
+)
+def test_malformed_http_bodies_say_what_is_wrong(
+    document: dict[str, Any], binary: bytes, message: str
+) -> None:
+    """Each malformed request is an InvalidRequestError naming the problem."""
+    with pytest.raises(InvalidRequestError, match=message):
+        _http(document, binary)
+
+
+def test_header_length_past_the_body_is_refused() -> None:
+    """An Inference-Header-Content-Length larger than the body is a clear error."""
+    with pytest.raises(InvalidRequestError, match="larger than the body"):
+        decode_http_request("m", "", b"{}", 10)
+
+
+def test_http_response_mixes_json_and_binary_outputs() -> None:
+    """Outputs asked as binary follow the JSON header; the others are JSON data."""
+    response = InferResponse(
+        model_name="m",
+        model_version=3,
+        request_id="r",
+        outputs={"A": np.array([[1.5, 2.5]], np.float32), "B": np.array([b"\xff"], object)},
+        parameters={"sequence_id": 4},
+    )
+    request = _http(
+        {
+            "inputs": [],
+            "outputs": [{"name": "A"}, {"name": "B", "parameters": {"binary_data": True}}],
+        }
+    )
+    chunks, length = encode_http_response(response, request)
+    header = json.loads(chunks[0])
+    assert length == len(chunks[0])
+    assert header["model_version"] == "3"
+    assert header["id"] == "r"
+    assert header["parameters"] == {"sequence_id": 4}
+    assert header["outputs"][0]["data"] == [1.5, 2.5]
+    assert header["outputs"][1]["parameters"] == {"binary_data_size": 5}
+    assert bytes(chunks[1]) == b"\x01\x00\x00\x00\xff"
+    json_only = _http({"inputs": []})
+    with pytest.raises(InvalidRequestError, match="not UTF-8"):
+        encode_http_response(response, json_only)
+
+
+def test_grpc_request_and_response_messages() -> None:
+    """A ModelInferRequest with raw and typed contents decodes; responses carry raw bytes."""
+    message = service_pb2.ModelInferRequest(model_name="m", model_version="2", id="g")
+    message.parameters["sequence_id"].string_param = "abc"
+    message.parameters["sequence_end"].bool_param = True
+    message.parameters["flavour"].double_param = 0.5
+    a = message.inputs.add(name="A", datatype="INT64", shape=[2])
+    a.contents.int64_contents.extend([1, -2])
+    both = service_pb2.ModelInferRequest()
+    both.CopyFrom(message)
+    both.raw_input_contents.append(b"\x00" * 16)
+    with pytest.raises(InvalidRequestError, match="cannot both be used"):
+        decode_grpc_request(both)
+    request = decode_grpc_request(message)
+    assert request.inputs["A"].tolist() == [1, -2]
+    assert (request.model_version, request.sequence_id, request.sequence_end) == (2, "abc", True)
+    assert request.parameters == {"flavour": 0.5}
+    fp16 = service_pb2.ModelInferRequest(model_name="m")
+    fp16.inputs.add(name="H", datatype="FP16", shape=[1])
+    with pytest.raises(InvalidRequestError, match="only be sent in raw_input_contents"):
+        decode_grpc_request(fp16)
+    response = encode_grpc_response(
+        InferResponse(model_name="m", model_version=2, outputs={"Y": np.array([1, 2], np.int16)}),
+        final=True,
+    )
+    assert response.raw_output_contents[0] == np.array([1, 2], np.int16).tobytes()
+    assert response.parameters["triton_final_response"].bool_param
+
+
+def test_status_codes_follow_triton() -> None:
+    """Unknown model 404/NOT_FOUND, bad request 400, busy 503, model failure 500."""
+    cases = [
+        (ModelNotFoundError("x"), 404, "NOT_FOUND"),
+        (InvalidRequestError("x"), 400, "INVALID_ARGUMENT"),
+        (QueueFullError("x"), 503, "UNAVAILABLE"),
+        (ModelControlError("x"), 503, "UNAVAILABLE"),
+        (InferenceError("x", model_name="m"), 500, "INTERNAL"),
+        (RuntimeError("x"), 500, "INTERNAL"),
+    ]
+    for error, status, code in cases:
+        assert (http_status(error), grpc_status(error)) == (status, code)
+
+
+def test_metadata_and_config_documents() -> None:
+    """Metadata prepends -1 when the model batches; the config has numbers and defaults."""
+    config = parse_model_config(
+        'name: "m" max_batch_size: 4 input [{ name: "X" data_type: TYPE_FP32 dims: [3] }] '
+        'output [{ name: "Y" data_type: TYPE_INT64 dims: [-1] }] '
+        "dynamic_batching { max_queue_delay_microseconds: 100 }"
+    )
+    metadata = model_metadata(config, [1, 2])
+    assert metadata["versions"] == ["1", "2"]
+    assert metadata["inputs"][0]["shape"] == [-1, 3]
+    assert metadata["outputs"][0] == {"name": "Y", "datatype": "INT64", "shape": [-1, -1]}
+    document = model_config_json(config)
+    assert document["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert document["input"][0]["dims"] == [3]
+    assert document["model_transaction_policy"] == {"decoupled": False}
+    assert document["version_policy"] == {"latest": {"num_versions": 1}}
