@@ -134,6 +134,10 @@ class TrioBridge:
                 call.deliver(error=ServerClosedError("the server is shutting down"))
 
 
+async def _call_sync(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
 def _traceparent(context: Any) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == "traceparent":
@@ -149,6 +153,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     control: ModelControl
     bridge: TrioBridge
     version: str
+    _readers: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
+
+    def stop_streams(self) -> None:
+        """Stop reading every open stream (a graceful stop): each ends once the requests it
+        already sent are answered, so an idle stream does not hold the stop up."""
+        for reader in list(self._readers):
+            reader.cancel()
 
     async def _abort(self, context: Any, error: BaseException) -> None:
         if not isinstance(error, OrchestrionError):
@@ -159,19 +170,27 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         """Whether the server is live."""
         return service_pb2.ServerLiveResponse(live=True)
 
+    async def _read(self, context: Any, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` (reading the server's state) on the trio thread, where that state
+        lives, so it never races a load or unload; errors abort the RPC."""
+        try:
+            return await self.bridge.call(_call_sync, fn, *args)
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # abort raises; this line is never reached
+
     async def ServerReady(self, request: Any, context: Any) -> Any:
         """Whether the server is ready."""
-        return service_pb2.ServerReadyResponse(ready=self.control.ready())
+        ready = await self._read(context, self.control.ready)
+        return service_pb2.ServerReadyResponse(ready=ready)
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         """Whether a model (version) is ready."""
-        try:
-            version = parse_version(request.version)
-        except OrchestrionError as exc:
-            await self._abort(context, exc)
-        return service_pb2.ModelReadyResponse(
-            ready=self.server.is_model_ready(request.name, version)
-        )
+
+        def ready() -> bool:
+            return self.server.is_model_ready(request.name, parse_version(request.version))
+
+        return service_pb2.ModelReadyResponse(ready=await self._read(context, ready))
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         """Server name, version and extensions."""
@@ -179,40 +198,45 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         """A model's inputs and outputs (``-1`` for the batch dimension)."""
-        try:
+
+        def metadata() -> Any:
             version = parse_version(request.version)
             config = self.server.model_config(request.name, version)
             versions = self.server.model_versions(request.name) if version < 1 else [version]
             return model_metadata_message(config, versions)
-        except Exception as exc:
-            await self._abort(context, exc)
+
+        return await self._read(context, metadata)
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         """A model's config, in Triton's ``ModelConfig`` message."""
-        try:
-            return model_config_response(
-                self.server.model_config(request.name, parse_version(request.version))
-            )
-        except Exception as exc:
-            await self._abort(context, exc)
+
+        def config() -> Any:
+            version = parse_version(request.version)
+            return model_config_response(self.server.model_config(request.name, version))
+
+        return await self._read(context, config)
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         """Triton's statistics of one model, or of all (empty name)."""
-        try:
+
+        def statistics() -> Any:
+            if not request.name:
+                return model_statistics_message(self.server.model_statistics())
             version = parse_version(request.version)
-            statistics = (
-                self.server.model_statistics(request.name, version if version > 0 else None)
-                if request.name
-                else self.server.model_statistics()
-            )
-            return model_statistics_message(statistics)
-        except Exception as exc:
-            await self._abort(context, exc)
+            found = self.server.model_statistics(request.name, version if version > 0 else None)
+            return model_statistics_message(found)
+
+        return await self._read(context, statistics)
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         """The repository's models and their state."""
-        loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
-        return repository_index_message(loaded, self.control.available(), ready_only=request.ready)
+
+        def index() -> Any:
+            loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
+            available = self.control.available()
+            return repository_index_message(loaded, available, ready_only=request.ready)
+
+        return await self._read(context, index)
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         """Load a model (explicit mode)."""
@@ -304,15 +328,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
         session = asyncio.ensure_future(self.bridge.call(stream.run))
         reader = asyncio.ensure_future(read())
+        self._readers.add(reader)
         try:
             while True:
                 item = await responses.get()
                 if item is _END:
                     break
                 yield item
-            await reader
+            await asyncio.wait([reader])
+            if not reader.cancelled():  # cancelled: the server stopped reading (stop_streams)
+                reader.result()
             await session
         finally:
+            self._readers.discard(reader)
             reader.cancel()
             session.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -358,8 +386,10 @@ class _Stream:
         await self._window.acquire()
         try:
             wire = decode_grpc_request(message)
-        except OrchestrionError as exc:
+        except Exception as exc:  # one bad request fails alone; the stream goes on
             self._window.release()
+            if not isinstance(exc, OrchestrionError):
+                _log.error("decoding a stream request failed unexpectedly", exc_info=exc)
             self.emit(_error_response(message.model_name, message.model_version, message.id, exc))
             return
         if wire.sequence_id:
@@ -384,15 +414,25 @@ class _Stream:
     async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
         try:
             decoupled = self.server.is_decoupled(wire.model_name)
+            if not decoupled:  # one answer: `infer` carries the timeout to the models too
+                response = await self.server.infer(
+                    wire.model_name,
+                    wire.inputs,
+                    **wire.infer_arguments(),
+                    timeout=wire.timeout,
+                    traceparent=traceparent,
+                )
+                self.emit(_stream_response(encode_grpc_response(response, final=True)))
+                return
             responses = self.server.stream_infer(
                 wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
             )
             async with contextlib.aclosing(responses) as each:
                 with trio.fail_after(wire.timeout or math.inf):
                     async for response in each:
-                        message = encode_grpc_response(response, final=not decoupled)
+                        message = encode_grpc_response(response, final=False)
                         self.emit(_stream_response(message))
-            if decoupled and wire.empty_final_response:
+            if wire.empty_final_response:
                 version = str(wire.model_version)
                 self.emit(
                     _stream_response(final_response(wire.model_name, version, wire.request_id))
@@ -533,6 +573,7 @@ class _LoopThread:
         try:
             await self._stop.wait()
         finally:
+            self.service.stop_streams()
             await grpc_server.stop(self._grace)
 
     def stop(self, grace: float) -> None:

@@ -79,7 +79,7 @@ class HttpApi:
         try:
             return await self._route(request)
         except _HttpError as exc:
-            return exc.status, _JSON, [error_body(exc)]
+            return exc.status, _JSON, [json.dumps({"error": str(exc)}).encode()]
         except Exception as exc:
             return _error_answer(exc, request)
 
@@ -100,6 +100,8 @@ class HttpApi:
         if path.startswith("/v2/repository/"):
             return await self._repository(request)
         route = path.rstrip("/")
+        if route.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+            return self._shared_memory(route, request.method)
         if route == "/v2/health/live":
             _expect(method, "GET")
             return 200, [], []
@@ -110,6 +112,16 @@ class HttpApi:
             _expect(method, "GET")
             return _json(server_metadata(self.version))
         raise _HttpError(404, f"no route for {path}")
+
+    def _shared_memory(self, route: str, method: str) -> Answer:
+        # No regions can be registered: status lists none, unregistering is a no-op.
+        if route.endswith("/status"):
+            _expect(method, "GET")
+            return _json([])
+        _expect(method, "POST")
+        if route.endswith("/unregister"):
+            return 200, _JSON, [b"{}"]
+        raise InvalidRequestError("shared memory is not supported: send tensors in the body")
 
     async def _model(self, match: re.Match[str], request: HttpRequest) -> Answer:
         name, action = match["model"], match["action"]

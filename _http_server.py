@@ -16,7 +16,9 @@ this loop costs a fraction of that (bench/network.py measures both).
 from __future__ import annotations
 
 import contextlib
+import http
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,11 @@ MAX_HEADER_SIZE = 64 * 1024
 _JOIN_LIMIT = 1 << 20
 """Answers up to this size go out in one ``send_all`` (one syscall)."""
 _READ_SIZE = 65536
+_HEAD_READ_SIZE = 8192
+_LINGER_SECONDS = 2.0
+_LINGER_BYTES = 4 << 20
+"""After refusing a request: how long and how much to read before closing anyway."""
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 
 
 @attrs.frozen
@@ -42,7 +49,7 @@ class HttpRequest:
 
     method: str
     path: str
-    """Percent-decoding is not applied (model names are plain)."""
+    """Percent-decoded (tritonclient quotes model names), without the query string."""
     headers: dict[bytes, bytes]
     """Lower-case names; a repeated header keeps its last value."""
     body: bytes
@@ -114,7 +121,9 @@ class HttpServer:
             await trio.aclose_forcefully(stream)
 
     async def _converse(self, stream: trio.SocketStream) -> None:
-        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_SIZE)
+        connection = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=MAX_HEADER_SIZE - _HEAD_READ_SIZE
+        )
         while not self._stopping:
             try:
                 request = await self._read_request(stream, connection)
@@ -150,7 +159,9 @@ class HttpServer:
                 with trio.move_on_after(self.keep_alive) as scope:
                     self._idle.add(scope)
                     try:
-                        data = await stream.receive_some(_READ_SIZE)
+                        # Small reads while a head arrives: h11 refuses an incomplete head
+                        # over its limit, so a head is at most MAX_HEADER_SIZE bytes.
+                        data = await stream.receive_some(_HEAD_READ_SIZE)
                     finally:
                         self._idle.discard(scope)
                 if scope.cancelled_caught:
@@ -189,7 +200,7 @@ class HttpServer:
                 return None
         return HttpRequest(
             method=event.method.decode("ascii", "replace"),
-            path=event.target.decode("latin-1").split("?", 1)[0],
+            path=urllib.parse.unquote(event.target.decode("latin-1").split("?", 1)[0]),
             headers=headers,
             body=parts[0] if len(parts) == 1 else b"".join(parts),
         )
@@ -222,6 +233,8 @@ class HttpServer:
             if not data:
                 scope.cancel()
                 return
+            if len(connection.trailing_data[0]) > self.max_body + MAX_HEADER_SIZE:
+                return  # stop reading: TCP holds the rest back until this answer is sent
 
     @staticmethod
     def _gone(connection: h11.Connection) -> bool:
@@ -243,7 +256,12 @@ class HttpServer:
         extra: Headers = [(b"content-length", str(length).encode())]
         if self._stopping:
             extra.append((b"connection", b"close"))
-        out.append(connection.send(h11.Response(status_code=status, headers=headers + extra)))
+        reason = _REASONS.get(status, b"")
+        out.append(
+            connection.send(
+                h11.Response(status_code=status, headers=headers + extra, reason=reason)
+            )
+        )
         if not head_only:
             for chunk in chunks:
                 if len(chunk):
@@ -272,3 +290,10 @@ class HttpServer:
             await self._send(
                 stream, connection, request, (status, [*headers, (b"connection", b"close")], chunks)
             )
+        # A lingering close: the client may still be sending (a body or head we refused);
+        # closing now would reset the connection before it reads the answer.
+        await stream.send_eof()
+        with trio.move_on_after(_LINGER_SECONDS):
+            drained = 0
+            while drained < _LINGER_BYTES and (data := await stream.receive_some(_READ_SIZE)):
+                drained += len(data)

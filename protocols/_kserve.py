@@ -241,8 +241,13 @@ def element_count(shape: Sequence[object], tensor: str) -> int:
     """Elements in a tensor of ``shape``, checking every dim.
 
     Raises:
-        InvalidRequestError: a dim that is not a non-negative integer.
+        InvalidRequestError: a dim that is not a non-negative integer, too many dims, or a
+            dim too large for an array (even an empty one).
     """
+    if len(shape) > MAX_DIMS:
+        raise InvalidRequestError(
+            f"invalid shape for tensor '{tensor}': {len(shape)} dims (at most {MAX_DIMS})"
+        )
     count = 1
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
@@ -250,8 +255,18 @@ def element_count(shape: Sequence[object], tensor: str) -> int:
                 f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': dims must be "
                 "non-negative integers"
             )
+        if dim > MAX_DIM:
+            raise InvalidRequestError(
+                f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': dim {dim} is too large"
+            )
         count *= dim
     return count
+
+
+MAX_DIM = 2**40
+"""The largest dim accepted on the wire (numpy's own limit is 2**63 - 1 elements)."""
+MAX_DIMS = 32
+"""numpy's (and so orchestrion's) most dims per array."""
 
 
 def tensor_from_bytes(
@@ -279,6 +294,11 @@ def tensor_from_bytes(
 
 def _bytes_elements(buffer: bytes | memoryview, count: int, tensor: str) -> np.ndarray[Any, Any]:
     view = memoryview(buffer)
+    if count * 4 > len(view):  # each element has a 4-byte length: check before allocating
+        raise InvalidRequestError(
+            f"input '{tensor}': {len(view)} bytes cannot hold {count} BYTES elements (4-byte "
+            "length prefixes)"
+        )
     out = np.empty(count, dtype=object)
     offset = 0
     for i in range(count):

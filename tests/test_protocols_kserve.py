@@ -78,7 +78,8 @@ def test_bytes_tensors_round_trip_with_length_prefixes(items: list[bytes]) -> No
     ("raw", "count", "message"),
     [
         (b"\x05\x00\x00\x00ab", 1, "claims 5 bytes, only 2 remain"),
-        (b"\x01\x00\x00\x00a", 2, "ends after 1 of 2 elements"),
+        (b"\x01\x00\x00\x00a", 2, "5 bytes cannot hold 2 BYTES elements"),
+        (b"\x04\x00\x00\x00abcd", 2, "ends after 1 of 2 elements"),
         (b"\x01\x00\x00\x00ab", 1, "1 bytes left over"),
     ],
 )
