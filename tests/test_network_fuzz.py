@@ -100,7 +100,10 @@ def _check(status: int, body: bytes) -> None:
     model=st.sampled_from(MODELS),
     document=documents,
     binary=st.binary(max_size=64),
-    header_length=st.none() | st.integers(-3, 400).map(str) | st.text(max_size=5),
+    # http.client itself refuses control characters in header values.
+    header_length=st.none()
+    | st.integers(-3, 400).map(str)
+    | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=5),
 )
 def test_malformed_infer_requests_get_4xx(
     server: Served, model: str, document: dict[str, Any], binary: bytes, header_length: str | None
@@ -109,9 +112,7 @@ def test_malformed_infer_requests_get_4xx(
     header = json.dumps(document).encode()
     headers = {}
     if header_length is not None:
-        headers["Inference-Header-Content-Length"] = header_length.encode(
-            "utf-8", "replace"
-        ).decode("latin-1")
+        headers["Inference-Header-Content-Length"] = header_length
     status, body = _post(server, f"/v2/models/{model}/infer", header + binary, headers)
     _check(status, body)
 
