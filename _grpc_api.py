@@ -16,6 +16,7 @@ The message classes come from tritonclient's generated modules (never re-generat
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -54,18 +55,53 @@ STREAM_WINDOW = 1024
 
 
 @attrs.define(eq=False)
+class _Mailbox:
+    """Hands items to another thread's event loop, waking it once per batch of items rather
+    than once per item (each wake is a syscall and a thread switch)."""
+
+    wake: Callable[[Callable[[], None]], object]
+    """Schedules a callback on the other loop, thread-safely."""
+    handle: Callable[[Any], None]
+    """Runs on the other loop, for each item."""
+    _items: collections.deque[Any] = attrs.field(factory=collections.deque)
+    _scheduled: bool = False
+
+    def post(self, item: Any) -> None:
+        """Queue ``item`` (from any thread); the other loop handles it soon."""
+        self._items.append(item)
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.wake(self._drain)
+            except BaseException:
+                self._scheduled = False
+                raise
+
+    def _drain(self) -> None:
+        # Clear the flag before draining: an item posted after this line schedules a new
+        # drain, and one posted before it is drained here (the GIL orders the two).
+        self._scheduled = False
+        items = self._items
+        while items:
+            self.handle(items.popleft())
+
+
+@attrs.define(eq=False)
 class _Call:
     """One asyncio-to-trio call in flight."""
 
-    loop: asyncio.AbstractEventLoop
+    fn: Callable[..., Awaitable[Any]]
+    args: tuple[Any, ...]
     future: asyncio.Future[Any]
+    replies: _Mailbox
+    """The asyncio loop's mailbox, for the outcome."""
     scope: trio.CancelScope | None = None
     abandoned: bool = False
 
     def deliver(self, result: object = None, error: BaseException | None = None) -> None:
         """Hand the outcome to the asyncio side (from the trio thread)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+            self.replies.post((self.future, result, error))
 
     def cancel(self) -> None:
         """The asyncio side gave up (runs on the trio thread)."""
@@ -74,7 +110,8 @@ class _Call:
             self.scope.cancel()
 
 
-def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
+def _settle(item: tuple[asyncio.Future[Any], object, BaseException | None]) -> None:
+    future, result, error = item
     if future.done():  # cancelled meanwhile
         return
     if error is not None:
@@ -83,12 +120,25 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
         future.set_result(result)
 
 
+_CANCEL = object()
+"""Marks a cancellation in the bridge's mailbox to trio."""
+
+
 @attrs.define(eq=False)
 class TrioBridge:
-    """Runs trio async functions for code on an asyncio loop in another thread."""
+    """Runs trio async functions for code on an asyncio loop in another thread.
+
+    Calls and their outcomes cross in batches: when many calls are in flight, one wake of
+    the other loop carries all that are ready (`_Mailbox`).
+    """
 
     token: trio.lowlevel.TrioToken
     nursery: trio.Nursery
+    _to_trio: _Mailbox = attrs.field(init=False)
+    _to_asyncio: dict[asyncio.AbstractEventLoop, _Mailbox] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._to_trio = _Mailbox(self.token.run_sync_soon, self._receive)
 
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` in trio and return its result (called on asyncio).
@@ -96,34 +146,38 @@ class TrioBridge:
         Cancelling the awaiting asyncio task cancels the trio task.
         """
         loop = asyncio.get_running_loop()
-        call = _Call(loop, loop.create_future())
+        replies = self._to_asyncio.get(loop)
+        if replies is None:
+            replies = self._to_asyncio[loop] = _Mailbox(loop.call_soon_threadsafe, _settle)
+        call = _Call(fn, args, loop.create_future(), replies)
         try:
-            self.token.run_sync_soon(self._start, call, fn, args)
+            self._to_trio.post(call)
         except trio.RunFinishedError:
             raise ServerClosedError("the server is shutting down") from None
         try:
             result: T = await call.future
         except asyncio.CancelledError:
             with contextlib.suppress(trio.RunFinishedError):
-                self.token.run_sync_soon(call.cancel)
+                self._to_trio.post((_CANCEL, call))
             raise
         return result
 
-    def _start(self, call: _Call, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+    def _receive(self, item: Any) -> None:
+        if isinstance(item, tuple):
+            item[1].cancel()
+            return
         try:
-            self.nursery.start_soon(self._run, call, fn, args)
+            self.nursery.start_soon(self._run, item)
         except RuntimeError:  # the nursery is closed: the server is stopping
-            call.deliver(error=ServerClosedError("the server is shutting down"))
+            item.deliver(error=ServerClosedError("the server is shutting down"))
 
-    async def _run(
-        self, call: _Call, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]
-    ) -> None:
+    async def _run(self, call: _Call) -> None:
         delivered = False
         try:
             with trio.CancelScope() as call.scope:
                 if call.abandoned:
                     call.scope.cancel()
-                result = await fn(*args)
+                result = await call.fn(*call.args)
                 call.deliver(result)
                 delivered = True
         except Exception as exc:
