@@ -38,8 +38,20 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         # Without a GPU, the GPU script's dry run on the CPU.
         (["gpu.py", "--allow-cpu", "--quick"], ["rows/s", "served by orchestrion"]),
         (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
+        (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
+        (["vs_triton/inprocess.py", "--requests", "300"], ["no batching", "CPU µs/request"]),
     ],
-    ids=["pipeline", "step_costs", "cache", "telemetry", "batching", "gpu", "memory"],
+    ids=[
+        "pipeline",
+        "step_costs",
+        "cache",
+        "telemetry",
+        "batching",
+        "gpu",
+        "memory",
+        "bridge",
+        "vs_triton_inprocess",
+    ],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     """Each benchmark script completes and prints its tables."""
