@@ -473,6 +473,14 @@ class EnsembleRunner:
         """Ensembles always go through their step actors."""
         return False
 
+    def may_run_alone(self, inputs: Tensors) -> bool:
+        """An ensemble has no batcher to skip."""
+        return False
+
+    async def run_alone(self, request: InferRequest) -> InferResponse | None:
+        """Not available for ensembles (`may_run_alone` is always False)."""
+        return None
+
     def infer_now(self, request: InferRequest) -> InferResponse:
         """Not available for ensembles (`ready_now` is always False)."""
         raise trio.WouldBlock

@@ -76,6 +76,10 @@ class Runner(Protocol):
 
     def infer_now(self, request: InferRequest) -> InferResponse: ...
 
+    def may_run_alone(self, inputs: Tensors) -> bool: ...
+
+    async def run_alone(self, request: InferRequest) -> InferResponse | None: ...
+
     def statistics(self) -> ModelStatistics: ...
 
 
@@ -326,7 +330,10 @@ class ModelRegistry:
                 response = runner.infer_now(request)
                 await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
             else:
-                response = await runner.infer(request)
+                alone = None
+                if runner.may_run_alone(request.inputs):
+                    alone = await runner.run_alone(request)
+                response = alone if alone is not None else await runner.infer(request)
             if strict_outputs:
                 _check_requested(request, response)
         except BaseException as exc:

@@ -300,3 +300,81 @@ async def test_a_batched_result_with_too_few_rows_fails_every_request(
     for r in results:
         assert isinstance(r, InferenceError)
         assert "one row per input row" in str(r)
+
+
+async def test_concurrent_requests_batch_even_with_no_queue_delay() -> None:
+    """max_queue_delay 0: 20 requests submitted together still run as 3 executions."""
+    calls: list[int] = []
+    m = batching(plain("m", recorder(calls)))
+
+    async def one(server: orchestrion.AsyncServer, i: int) -> None:
+        response = await server.infer("m", {"X": row(i)})
+        np.testing.assert_array_equal(response.outputs["Y"], row(2 * i))
+
+    async with orchestrion.open_server(models=[m]) as server:
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, server, i)
+        assert_idle(server)
+    assert calls == [8, 8, 4]
+
+
+@pytest.mark.parametrize(("delay", "in_caller"), [(0, True), (1000, False)])
+async def test_a_lone_request_runs_in_its_callers_task(delay: int, in_caller: bool) -> None:
+    """With no queue delay, a request nobody else can join runs at once in the caller's task
+    (no trip through the batcher); with a delay it waits in the batcher for company."""
+    tasks: list[object] = []
+
+    def execute(X: Any) -> dict[str, Any]:
+        tasks.append(trio.lowlevel.current_task())
+        return {"Y": X * 2}
+
+    m = batching(plain("m", execute), max_queue_delay_microseconds=delay)
+    async with orchestrion.open_server(models=[m]) as server:
+        for i in range(3):
+            response = await server.infer("m", {"X": row(i)})
+            np.testing.assert_array_equal(response.outputs["Y"], row(2 * i))
+        stats = server.model_statistics("m")[0]
+        assert_idle(server)
+    me = trio.lowlevel.current_task()
+    assert [task is me for task in tasks] == [in_caller] * 3
+    assert (stats.execution_count, stats.inference_count) == (3, 3)
+
+
+async def test_after_a_burst_lone_requests_take_the_short_path_again() -> None:
+    """A burst batches; the next lone requests run in their caller's task again."""
+    calls: list[int] = []
+    tasks: list[object] = []
+
+    def execute(X: Any) -> dict[str, Any]:
+        calls.append(int(X.shape[0]))
+        tasks.append(trio.lowlevel.current_task())
+        return {"Y": X * 2}
+
+    m = batching(plain("m", execute))
+    async with orchestrion.open_server(models=[m]) as server:
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(server.infer, "m", {"X": row(i)})
+        assert calls == [8]
+        for i in range(3):
+            await server.infer("m", {"X": row(i)})
+    me = trio.lowlevel.current_task()
+    assert calls == [8, 1, 1, 1]
+    # The first lone request goes through the batcher (the last batch was 8); then direct.
+    assert [task is me for task in tasks[1:]] == [False, True, True]
+
+
+async def test_requests_arriving_in_the_same_pass_batch_instead_of_running_alone() -> None:
+    """Two requests that both check for company in the same scheduling pass both go to the
+    batcher and share one execution (neither runs alone)."""
+    calls: list[int] = []
+    m = batching(plain("m", recorder(calls)))
+    async with orchestrion.open_server(models=[m]) as server:
+        await server.infer("m", {"X": row(0)})  # light load: the short path is open
+        assert calls == [1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.infer, "m", {"X": row(1)})
+            nursery.start_soon(server.infer, "m", {"X": row(2)})
+        assert_idle(server)
+    assert calls == [1, 2]
