@@ -111,6 +111,23 @@ stop_server() {
   wait "$SERVER_PID" 2>/dev/null || true
   SERVER_PID=""
 }
+# peak_rss PID: the server's peak resident memory in KiB, summed over the process and its
+# descendants (Triton's Python-backend stubs are processes of their own): each one's VmHWM.
+peak_rss() {
+  local pids=("$1") frontier=("$1") next child total=0 count=0 hwm
+  while [ "${#frontier[@]}" -gt 0 ]; do
+    next=()
+    for p in "${frontier[@]}"; do
+      for child in $(pgrep -P "$p" 2>/dev/null); do next+=("$child"); pids+=("$child"); done
+    done
+    frontier=("${next[@]}")
+  done
+  for p in "${pids[@]}"; do
+    hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$p/status" 2>/dev/null || true)
+    [ -n "$hwm" ] && total=$((total + hwm)) && count=$((count + 1))
+  done
+  echo "$total $count"
+}
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
@@ -239,6 +256,7 @@ for name in $SERVERS; do
       fi
     fi
     measure "$name" "$cache"
+    peak_rss "$SERVER_PID" >"$RESULTS/$name/rss_cache-$cache.txt"
     stop_server
   done
 done
