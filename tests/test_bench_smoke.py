@@ -40,6 +40,11 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
         (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
         (["vs_triton/inprocess.py", "--requests", "300"], ["no batching", "CPU µs/request"]),
+        # The in-process parts only: Ray Serve and the perf_analyzer runs need downloads.
+        (
+            ["compare.py", "--quick", "--skip", "ray,network", "--no-docs"],
+            ["floor (hand-written trio)", "image", "peak RSS MiB"],
+        ),
     ],
     ids=[
         "pipeline",
@@ -51,6 +56,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "memory",
         "bridge",
         "vs_triton_inprocess",
+        "compare",
     ],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
