@@ -206,11 +206,11 @@ def ray(concurrency: list[int], quick: bool) -> list[Row]:
 
 
 def ray_rows(document: Any) -> list[Row]:
-    """Rows from ray_serve.py's JSON document."""
+    """Rows from ray_serve.py's JSON document (peak RSS: the whole Ray process tree)."""
     rows = []
-    rss = document.get("peak_rss_mib")
-    for r in document["results"]:
+    for r in document["rows"]:
         way = "DeploymentHandle" if r["way"] == "handle" else "HTTP"
+        memory = document["pipelines"][r["pipeline"]]["memory"]
         rows.append(
             {
                 "pipeline": r["pipeline"],
@@ -220,7 +220,7 @@ def ray_rows(document: Any) -> list[Row]:
                 "rps": r["throughput_rps"],
                 "p50_ms": r["p50_ms"],
                 "p99_ms": r["p99_ms"],
-                "rss_mib": r.get("peak_rss_mib", rss),
+                "rss_mib": memory["peak_rss_mib"],
             }
         )
     return rows
