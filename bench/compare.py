@@ -346,9 +346,16 @@ def plot(rows: list[Row], stem: str) -> list[Path]:
                     continue
                 name = f"{r['system']} (cache {r['cache']})"
                 series.setdefault(name, []).append((int(r["concurrency"]), float(r[metric])))
-            for name, points in sorted(series.items()):
+            colours = plt.get_cmap("tab20")
+            for number, (name, points) in enumerate(sorted(series.items())):
                 points.sort()
-                axis.plot(*zip(*points, strict=True), marker="o", label=name)
+                axis.plot(
+                    *zip(*points, strict=True),
+                    marker="os^Dv"[number % 5],
+                    linestyle=("-", "--")[number % 2],
+                    color=colours(number % 20),
+                    label=name,
+                )
             axis.set_xscale("log", base=2)
             axis.set_yscale(scale)
             axis.set_xlabel("concurrency")
@@ -380,8 +387,9 @@ def write_docs(table: str, command: str, took: float, skipped: list[str]) -> Non
 {command}
 ```
 
-Run on {time.strftime("%Y-%m-%d")} in {took / 60:.0f} minutes; machine: {machine}; Python
-{platform.python_version()}, orchestrion {orchestrion.__version__}, jax {jax.__version__},
+Run on {time.strftime("%Y-%m-%d")} in {took / 60:.0f} minutes.
+Machine: {machine}.
+Python {platform.python_version()}, orchestrion {orchestrion.__version__}, jax {jax.__version__},
 trio {trio.__version__}; peers: Ray Serve from `bench/peers/setup_ray.sh`, Triton 2.51.0 and
 perf_analyzer 2.51.0 from `bench/vs_triton.sh`.{skipped_note}
 Peak RSS is per system: the measuring process for in-process rows (orchestrion and the floor
@@ -410,12 +418,25 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated: ray, triton, network")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/")
+    parser.add_argument("--from-json", metavar="PATH", help="re-render a saved run (rows.json)")
     parser.add_argument("--image-worker", choices=("off", "on"), help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.image_worker:
         image_worker(concurrency, args.requests, args.image_worker)
+        return
+    if args.from_json:  # re-render a saved run (the table, plots and docs), measure nothing
+        saved = json.loads(Path(args.from_json).read_text())
+        print(render(saved["rows"]))
+        if not args.no_docs:
+            plot(saved["rows"], "compare")
+            write_docs(
+                render(saved["rows"]),
+                ".venv/bin/python bench/compare.py",
+                saved["took"],
+                saved["skipped"],
+            )
         return
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     began = time.perf_counter()
@@ -436,6 +457,9 @@ def main() -> None:
         _log(f"over the network with perf_analyzer: {', '.join(servers)}")
         rows += network(concurrency, servers, args.quick)
     took = time.perf_counter() - began
+    saved = BENCH / ".peers" / "compare" / "rows.json"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"rows": rows, "took": took, "skipped": sorted(skip)}))
     table = render(rows)
     print(table)
     print(f"\ntotal time: {took / 60:.1f} minutes")
