@@ -333,7 +333,14 @@ class ModelRegistry:
                 alone = None
                 if runner.may_run_alone(request.inputs):
                     alone = await runner.run_alone(request)
-                response = alone if alone is not None else await runner.infer(request)
+                if alone is not None:
+                    response = alone
+                    await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+                else:
+                    response = await runner.infer(request)
+                    # The answer came from another task; a deadline that passed meanwhile
+                    # has been seen by now: a late result is cancelled, not returned.
+                    await trio.lowlevel.checkpoint_if_cancelled()
             if strict_outputs:
                 _check_requested(request, response)
         except BaseException as exc:

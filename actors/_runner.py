@@ -862,7 +862,18 @@ class ModelRunner:
             batch = batch_size(self.model.config.max_batch_size, request.inputs)
             elapsed = time.perf_counter_ns() - started
             self._record(instance, 0, result, elapsed, batch, True, [request], started)
-        return self._response(request, result[0])
+        outputs = result[0]
+        if self._batching is not None:
+            # As the batcher does: the request's own rows, and one row per input row.
+            try:
+                outputs = split_outputs(outputs, [rows_of(request)])[0]
+            except ValueError as exc:
+                raise InferenceError(
+                    f"model '{self.model.name}' (version {self.model.version}) returned a "
+                    f"bad batched result: {exc}",
+                    model_name=self.model.name,
+                ) from None
+        return self._response(request, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run ``request`` (inputs already checked) on the next free instance.
