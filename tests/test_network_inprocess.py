@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from inprocess_servers import front_ends
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,18 +22,6 @@ from orchestrion import AsyncServer, open_server
 from orchestrion._control import ModelControl
 from orchestrion._grpc_api import open_grpc_api
 from orchestrion._http_api import HttpApi, open_http_api
-
-
-@contextlib.asynccontextmanager
-async def front_ends(**server_options: Any) -> AsyncIterator[tuple[AsyncServer, str, str]]:
-    async with open_server(MODELS, **server_options) as server:
-        control = ModelControl(server)
-        api = HttpApi(server, control, "test")
-        async with (
-            open_http_api(api, port=0, exit_timeout=5) as (http_address, _),
-            open_grpc_api(server, control, "test", port=0, exit_timeout=5) as (grpc_address, _),
-        ):
-            yield server, http_address, grpc_address
 
 
 def _pending(server: AsyncServer, model: str) -> int:
