@@ -40,6 +40,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
         (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
         (["vs_triton/inprocess.py", "--requests", "300"], ["no batching", "CPU µs/request"]),
+        (["soak.py", "--quick"], ["RSS slope after warm-up", "RSS MiB"]),
         # The in-process parts only: Ray Serve and the perf_analyzer runs need downloads.
         (
             ["compare.py", "--quick", "--skip", "ray,network", "--no-docs"],
@@ -56,6 +57,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "memory",
         "bridge",
         "vs_triton_inprocess",
+        "soak",
         "compare",
     ],
 )
