@@ -623,6 +623,12 @@ def model_config_message(config: ModelConfig) -> Any:
     if not message.HasField("version_policy"):
         message.version_policy.latest.num_versions = 1
     message.model_transaction_policy.SetInParent()
+    # `count` defaults to 1 here and to 0 in the proto: write it (Triton reports it too), and
+    # the instance group a model gets without one.
+    for group, written in zip(config.instance_group, message.instance_group, strict=True):
+        written.count = group.count
+    if not config.instance_group and not config.is_ensemble:
+        message.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
     return message
 
 

@@ -318,3 +318,10 @@ def test_metadata_and_config_documents() -> None:
     assert document["input"][0]["dims"] == [3]
     assert document["model_transaction_policy"] == {"decoupled": False}
     assert document["version_policy"] == {"latest": {"num_versions": 1}}
+    assert [(g["kind"], g["count"]) for g in document["instance_group"]] == [("KIND_CPU", 1)]
+    two = parse_model_config(
+        'name: "m" input [{ name: "X" data_type: TYPE_FP32 dims: [3] }] '
+        'output [{ name: "Y" data_type: TYPE_FP32 dims: [3] }] '
+        "instance_group [{ count: 1 kind: KIND_CPU }, { count: 3 kind: KIND_CPU }]"
+    )
+    assert [g["count"] for g in model_config_json(two)["instance_group"]] == [1, 3]
