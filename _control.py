@@ -117,12 +117,14 @@ class ModelControl:
             await self.server.load_model(name)
         self._expected = set(self.server.model_names())
 
-    async def poll(self, interval: float) -> None:
+    async def poll(self, interval: float, baseline: Mapping[str, object]) -> None:
         """Poll mode: apply repository changes every ``interval`` seconds, until cancelled.
 
-        A model that fails to load is logged and left as it was; the server keeps serving.
+        ``baseline`` is the repository as it was before the server loaded it (see
+        `repository_fingerprints`), so a change made while it loaded is not missed. A model
+        that fails to load is logged and left as it was; the server keeps serving.
         """
-        seen = await trio.to_thread.run_sync(self._fingerprints)
+        seen = baseline
         while True:
             await trio.sleep(interval)
             now = await trio.to_thread.run_sync(self._fingerprints)
@@ -151,21 +153,31 @@ class ModelControl:
                 _log.error("model folder '%s' changed, loading failed: %s", name, exc)
 
     def _fingerprints(self) -> dict[str, object]:
-        """Per model folder: every file's path, size and modification time."""
+        """The served repository's `repository_fingerprints`."""
         root = self.server.model_repository
-        found: dict[str, object] = {}
-        if root is None:
-            return found
-        for name in self.available():
-            folder = root / name
-            found[name] = tuple(
-                sorted(
-                    (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-                    for p in folder.rglob("*")
-                    if p.is_file() and "__pycache__" not in p.parts
-                )
-            )
+        return repository_fingerprints(root) if root is not None else {}
+
+
+def repository_fingerprints(root: Path) -> dict[str, object]:
+    """Per model folder of ``root``: every file's path, size and modification time."""
+    found: dict[str, object] = {}
+    if not root.is_dir():
         return found
+    for folder in sorted(root.iterdir()):
+        if (
+            not folder.is_dir()
+            or folder.name.startswith(".")
+            or not (folder / "config.pbtxt").is_file()
+        ):
+            continue
+        found[folder.name] = tuple(
+            sorted(
+                (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                for p in folder.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts
+            )
+        )
+    return found
 
 
 def _check_name(name: str) -> None:

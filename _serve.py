@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from ._control import ModelControl
+from ._control import ModelControl, repository_fingerprints
 from ._grpc_api import DEFAULT_MAX_MESSAGE_SIZE, open_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, open_http_api
 from ._server import open_server
@@ -85,6 +85,9 @@ async def serve(
         raise ConfigError(f"{options.model_repository}: model repository is not a directory")
     version = version or _version()
     explicit = options.model_control_mode == "explicit"
+    baseline: dict[str, object] = {}
+    if options.model_control_mode == "poll":  # before loading: no change is missed
+        baseline = await trio.to_thread.run_sync(repository_fingerprints, options.model_repository)
     async with open_server(
         options.model_repository,
         load_models=[] if explicit else None,
@@ -143,7 +146,7 @@ async def serve(
             )
             async with trio.open_nursery() as nursery:
                 if options.model_control_mode == "poll":
-                    nursery.start_soon(control.poll, options.poll_interval)
+                    nursery.start_soon(control.poll, options.poll_interval, baseline)
                 await stop.wait()
                 control.stop_accepting()
                 for stopper in stoppers:
