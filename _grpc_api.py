@@ -30,7 +30,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from ._control import ModelControl
 from ._server import AsyncServer
-from .protocols import ConfigError, InferenceTimeoutError, OrchestrionError, ServerClosedError
+from .protocols import (
+    ConfigError,
+    InferenceTimeoutError,
+    InvalidRequestError,
+    OrchestrionError,
+    ServerClosedError,
+)
 from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
 from .protocols._kserve_grpc import (
     decode_grpc_request,
@@ -319,6 +325,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             await self._abort(context, exc)
 
     async def _infer(self, wire: WireRequest, traceparent: str | None) -> Any:
+        if self.server.is_decoupled(wire.model_name):
+            raise InvalidRequestError(
+                f"model '{wire.model_name}' is decoupled (zero or many responses per request): "
+                "ModelInfer gives one response; use ModelStreamInfer"
+            )
         response = await self.server.infer(
             wire.model_name,
             wire.inputs,

@@ -143,6 +143,11 @@ class HttpApi:
 
     async def _infer(self, name: str, version: str, request: HttpRequest) -> Answer:
         self.server.model_config(name, parse_version(version))  # 404 before decoding the body
+        if self.server.is_decoupled(name):
+            raise InvalidRequestError(
+                f"model '{name}' is decoupled (zero or many responses per request): HTTP infer "
+                "gives one response; use gRPC ModelStreamInfer"
+            )
         headers = request.headers
         body = self._decoded_body(request)
         length = headers.get(HEADER_LENGTH.encode())

@@ -415,3 +415,18 @@ def test_repository_api_refused_outside_explicit_mode(http: Any, grpc: Any) -> N
     index = http.get_model_repository_index()
     assert {"name": "square", "version": "1", "state": "READY", "reason": ""} in index
     assert {m.name for m in grpc.get_model_repository_index().models} >= {"square", "pipeline"}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_decoupled_model_over_unary_infer_says_to_stream(
+    http: Any, grpc: Any, protocol: str
+) -> None:
+    """A decoupled model through HTTP infer or unary ModelInfer: 400/INVALID_ARGUMENT that
+    names the streaming RPC to use."""
+    module, client = (httpclient, http) if protocol == "http" else (grpcclient, grpc)
+    item = module.InferInput("X", [1], "INT32")
+    item.set_data_from_numpy(np.array([2], np.int32))
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("repeat", [item])
+    assert str(refused.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert "ModelStreamInfer" in refused.value.message()
