@@ -56,13 +56,7 @@ class ModelControl:
     def available(self) -> list[str]:
         """Names of the repository's model folders (loaded or not)."""
         root = self.server.model_repository
-        if root is None or not root.is_dir():
-            return []
-        return sorted(
-            p.name
-            for p in root.iterdir()
-            if p.is_dir() and not p.name.startswith(".") and (p / "config.pbtxt").is_file()
-        )
+        return [folder.name for folder in model_folders(root)] if root is not None else []
 
     def _check_allowed(self, what: str) -> None:
         if self.mode != "explicit":
@@ -158,26 +152,29 @@ class ModelControl:
         return repository_fingerprints(root) if root is not None else {}
 
 
+def model_folders(root: Path) -> list[Path]:
+    """The model folders of a repository (each with a config.pbtxt), by name."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        folder
+        for folder in root.iterdir()
+        if not folder.name.startswith(".") and (folder / "config.pbtxt").is_file()
+    )
+
+
 def repository_fingerprints(root: Path) -> dict[str, object]:
     """Per model folder of ``root``: every file's path, size and modification time."""
-    found: dict[str, object] = {}
-    if not root.is_dir():
-        return found
-    for folder in sorted(root.iterdir()):
-        if (
-            not folder.is_dir()
-            or folder.name.startswith(".")
-            or not (folder / "config.pbtxt").is_file()
-        ):
-            continue
-        found[folder.name] = tuple(
+    return {
+        folder.name: tuple(
             sorted(
                 (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
                 for p in folder.rglob("*")
                 if p.is_file() and "__pycache__" not in p.parts
             )
         )
-    return found
+        for folder in model_folders(root)
+    }
 
 
 def _check_name(name: str) -> None:

@@ -36,6 +36,7 @@ from .protocols import (
     InvalidRequestError,
     OrchestrionError,
     ServerClosedError,
+    os_error_in,
 )
 from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
 from .protocols._kserve_grpc import (
@@ -563,7 +564,7 @@ async def open_grpc_api(
         try:
             bound = await nursery.start(loop_thread.run)
         except BaseException as exc:
-            bind_error = _os_error(exc)
+            bind_error = os_error_in(exc)
             if bind_error is None:
                 raise
         else:
@@ -578,18 +579,6 @@ async def open_grpc_api(
         raise error
     if bind_error is not None:
         raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
-
-
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError inside a (nested) exception group of a failed start, if any."""
-    if isinstance(error, OSError):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = _os_error(inner)
-            if found is not None:
-                return found
-    return None
 
 
 @attrs.define(eq=False)

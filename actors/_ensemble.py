@@ -534,17 +534,7 @@ class EnsembleRunner:
                 client asked for by name).
             ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
-        if self._closing:
-            raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
-        requested = request.requested_outputs or frozenset(self.graph.outputs)
-        plan = self._plans.get(requested) or self._make_plan(requested)
-        # Missing counts cover the tensors steps produce; the ensemble inputs are all there
-        # from the start (an omitted optional one is simply not passed on).
-        tensors = dict(request.inputs)
-        mbs = self.config.max_batch_size
-        for tensor in self._reshaped_inputs:  # the ensemble sees an input's reshape
-            if tensor.name in tensors:
-                tensors[tensor.name] = apply_reshape(tensor, tensors[tensor.name], mbs)
+        requested, plan, tensors = self._begin(request)
         run = _Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
         self._active += 1
@@ -616,21 +606,33 @@ class EnsembleRunner:
         Raises:
             InferenceError: a step failed (after the responses of earlier iterations).
         """
-        if self._closing:
-            raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
-        requested = request.requested_outputs or frozenset(self.graph.outputs)
-        plan = self._plans.get(requested) or self._make_plan(requested)
-        tensors = dict(request.inputs)
-        mbs = self.config.max_batch_size
-        for tensor in self._reshaped_inputs:
-            if tensor.name in tensors:
-                tensors[tensor.name] = apply_reshape(tensor, tensors[tensor.name], mbs)
+        requested, plan, tensors = self._begin(request)
         order = self._order(plan)
         # Not counted as an active run: a stream lasts as long as its caller reads, and an
         # unload must not wait for that; its steps then fail with ServerClosedError.
         async with contextlib.aclosing(self._iterate(request, plan, order, tensors)) as runs:
             async for produced in runs:
                 yield self._response(request, requested, produced)
+
+    def _begin(self, request: InferRequest) -> tuple[frozenset[str], _Plan, dict[str, Any]]:
+        """What `infer` and `stream` start from: the outputs wanted, the plan of steps for
+        them, and the ensemble's input tensors (reshaped as the ensemble sees them).
+
+        Raises:
+            ServerClosedError: the ensemble is being unloaded.
+        """
+        if self._closing:
+            raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
+        requested = request.requested_outputs or frozenset(self.graph.outputs)
+        plan = self._plans.get(requested) or self._make_plan(requested)
+        # Missing counts cover the tensors steps produce; the ensemble inputs are all there
+        # from the start (an omitted optional one is simply not passed on).
+        tensors = dict(request.inputs)
+        mbs = self.config.max_batch_size
+        for tensor in self._reshaped_inputs:  # the ensemble sees an input's reshape
+            if tensor.name in tensors:
+                tensors[tensor.name] = apply_reshape(tensor, tensors[tensor.name], mbs)
+        return requested, plan, tensors
 
     def _order(self, plan: _Plan) -> list[int]:
         """The needed steps in an order where each comes after the steps it needs."""

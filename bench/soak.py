@@ -23,10 +23,9 @@ import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "reliability"))
 from _common import table
 from inprocess_servers import front_ends
-from test_load import _at_rest, _case, _check, _http_call
+from mixed_load import at_rest, case, check, http_call
 
 from orchestrion import InferenceError
 
@@ -52,7 +51,7 @@ async def main(rounds: int, requests: int) -> None:
 
             async def client() -> None:
                 for index in todo:  # noqa: B023 (this round's iterator)
-                    model, inputs, _ = _case(index)
+                    model, inputs, _ = case(index)
                     try:
                         answers[index] = dict((await server.infer(model, inputs)).outputs)  # noqa: B023
                     except InferenceError as exc:
@@ -61,7 +60,7 @@ async def main(rounds: int, requests: int) -> None:
             def http_client() -> None:
                 connection = http.client.HTTPConnection(http_address, timeout=60)
                 for index in range(0, requests // 4):
-                    _check(index, _http_call(http_address, index, connection))
+                    check(index, http_call(http_address, index, connection))
                 connection.close()
 
             async with trio.open_nursery() as nursery:
@@ -69,9 +68,9 @@ async def main(rounds: int, requests: int) -> None:
                     nursery.start_soon(client)
                 nursery.start_soon(trio.to_thread.run_sync, http_client)
             for index, outcome in answers.items():
-                _check(index, outcome)
+                check(index, outcome)
             assert len(answers) == requests
-            _at_rest(server)
+            at_rest(server)
             gc.collect()
             rss = _rss_kib()
             took = time.perf_counter() - started

@@ -54,6 +54,7 @@ from ._errors import OrchestrionError as OrchestrionError
 from ._errors import QueueFullError as QueueFullError
 from ._errors import QueueTimeoutError as QueueTimeoutError
 from ._errors import ServerClosedError as ServerClosedError
+from ._errors import os_error_in as os_error_in
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse
 from ._messages import ParameterValue as ParameterValue

@@ -104,3 +104,16 @@ class ModelControlError(OrchestrionError, RuntimeError):
 
     The operator's choice (``--model-control-mode``), not a fault in the request or the model.
     """
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError in ``error`` or in a (nested) exception group, if any: what a server that
+    failed to bind its address raised inside its nurseries."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = os_error_in(inner)
+            if found is not None:
+                return found
+    return None

@@ -336,11 +336,6 @@ def tensor_to_bytes(array: np.ndarray[Any, Any]) -> bytes | memoryview:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
-def response_parameters(response: InferResponse) -> dict[str, ParameterValue]:
-    """The response's parameters as Triton sends them (the sequence ones among them)."""
-    return dict(response.parameters)
-
-
 # ------------------------------------------------------------------------ HTTP bodies
 
 
@@ -485,9 +480,20 @@ def _json_tensor(
         raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be numbers")
     elif dtype.numpy_dtype.kind in "iu" and not all(isinstance(item, int) for item in flat):
         raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be integers")
+    return numeric_array(flat, dtype, shape, name)
+
+
+def numeric_array(
+    values: Sequence[Any], dtype: DataType, shape: Sequence[int], name: str
+) -> np.ndarray[Any, Any]:
+    """Numbers given one by one (JSON data, gRPC typed contents) as a tensor of ``dtype``.
+
+    Raises:
+        InvalidRequestError: a value does not fit in the data type.
+    """
     try:
         with np.errstate(over="raise", invalid="raise"):
-            array = np.array(flat, dtype=dtype.numpy_dtype)
+            array = np.array(values, dtype=dtype.numpy_dtype)
     except (OverflowError, FloatingPointError, ValueError):
         raise InvalidRequestError(
             f"input '{name}': a value does not fit in {dtype.value}"
@@ -547,7 +553,7 @@ def encode_http_response(
     if response.request_id:
         document["id"] = response.request_id
     if response.parameters:
-        document["parameters"] = response_parameters(response)
+        document["parameters"] = dict(response.parameters)  # the sequence ones among them
     document["outputs"] = outputs
     header = json.dumps(document, separators=(",", ":")).encode()
     return [header, *chunks], (len(header) if chunks else None)

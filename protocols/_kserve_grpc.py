@@ -25,6 +25,7 @@ from ._kserve import (
     model_config_message,
     model_metadata,
     model_statistics_json,
+    numeric_array,
     parse_version,
     repository_index,
     request_options,
@@ -137,13 +138,7 @@ def _from_contents(tensor: Any, dtype: DataType, shape: list[int]) -> np.ndarray
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(tuple(shape))
-    try:
-        with np.errstate(over="raise", invalid="raise"):
-            return np.array(values, dtype=dtype.numpy_dtype).reshape(tuple(shape))
-    except (OverflowError, FloatingPointError, ValueError):
-        raise InvalidRequestError(
-            f"input '{tensor.name}': a value does not fit in {dtype.value}"
-        ) from None
+    return numeric_array(values, dtype, shape, tensor.name)
 
 
 def encode_grpc_response(response: InferResponse, *, final: bool | None = None) -> Any:

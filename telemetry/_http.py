@@ -17,7 +17,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from prometheus_client.registry import CollectorRegistry
 
-from ..protocols import ConfigError
+from ..protocols import ConfigError, os_error_in
 from ._metrics import CONTENT_TYPE, metrics_text
 
 _log = logging.getLogger("orchestrion.telemetry")
@@ -83,7 +83,7 @@ async def open_metrics_endpoint(
                 lambda task_status: serve(app, config, mode="asgi", task_status=task_status)
             )
         except BaseException as exc:  # hypercorn's own nurseries wrap a bind error
-            bind_error = _os_error(exc)
+            bind_error = os_error_in(exc)
             if bind_error is None:
                 error = exc
         else:
@@ -98,15 +98,3 @@ async def open_metrics_endpoint(
         ) from bind_error
     if error is not None:
         raise error
-
-
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError inside a (nested) exception group of a failed start, if any."""
-    if isinstance(error, OSError):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = _os_error(inner)
-            if found is not None:
-                return found
-    return None

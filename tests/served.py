@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import selectors
@@ -117,3 +118,16 @@ def start_server(
     finally:
         selector.close()
     return served
+
+
+def post(
+    address: str, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    """One HTTP POST on a fresh connection: the status and the body of the answer."""
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("POST", path, body, headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()

@@ -7,29 +7,21 @@ import functools
 import time
 from typing import Any
 
-import attrs
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import trio
 import trio.testing
+from batching_models import ROW, batching, plain, row
 
 import orchestrion
 from builders import assert_idle, ensemble, model, outcome, step, tensor
 from orchestrion.protocols import (
-    DynamicBatching,
     InferenceError,
     InferenceTimeoutError,
     QueueFullError,
     QueuePolicy,
 )
-
-ROW = (4,)
-
-
-def batching(definition: orchestrion.Model, **settings: Any) -> orchestrion.Model:
-    config = attrs.evolve(definition.config, dynamic_batching=DynamicBatching(**settings))
-    return attrs.evolve(definition, config=config)
 
 
 def recorder(calls: list[int], factor: float = 2.0) -> Any:
@@ -49,22 +41,6 @@ def gated_rows(gate: trio.Event, calls: list[int], order: list[float] | None = N
         return {"Y": X * 2}
 
     return execute
-
-
-def plain(name: str, execute: Any, max_batch_size: int = 8, count: int = 1) -> orchestrion.Model:
-    return model(
-        name,
-        execute,
-        [tensor("X", dims=ROW)],
-        [tensor("Y", dims=ROW)],
-        jit=False,
-        max_batch_size=max_batch_size,
-        count=count,
-    )
-
-
-def row(value: float, rows: int = 1) -> np.ndarray:
-    return np.full((rows, *ROW), value, np.float32)
 
 
 async def test_concurrent_requests_become_few_executions(

@@ -5,37 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import numpy as np
 import trio
 import trio.testing
+from batching_models import ROW, batching, plain, row
 
 import orchestrion
-from builders import assert_idle, ensemble, model, outcome, step, tensor
-from orchestrion.protocols import DynamicBatching, InferenceError
-
-ROW = (4,)
-
-
-def batching(definition: orchestrion.Model, **settings: Any) -> orchestrion.Model:
-    config = attrs.evolve(definition.config, dynamic_batching=DynamicBatching(**settings))
-    return attrs.evolve(definition, config=config)
-
-
-def plain(name: str, execute: Any, max_batch_size: int = 8, count: int = 1) -> orchestrion.Model:
-    return model(
-        name,
-        execute,
-        [tensor("X", dims=ROW)],
-        [tensor("Y", dims=ROW)],
-        jit=False,
-        max_batch_size=max_batch_size,
-        count=count,
-    )
-
-
-def row(value: float, rows: int = 1) -> np.ndarray:
-    return np.full((rows, *ROW), value, np.float32)
+from builders import assert_idle, ensemble, outcome, step, tensor
+from orchestrion.protocols import InferenceError
 
 
 def recorder(calls: list[int], tasks: list[object] | None = None) -> Any:

@@ -3,7 +3,6 @@ extension, gRPC edges, model control and shutdown. Real clients and sockets, loo
 
 from __future__ import annotations
 
-import http.client
 import json
 import queue
 import shutil
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import MODELS, Served, start_server
+from served import MODELS, Served, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -108,16 +107,6 @@ def _status_and_body(reply: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-def _post(served: Served, path: str, body: bytes, headers: dict[str, str] | None = None) -> Any:
-    connection = http.client.HTTPConnection(served.http, timeout=30)
-    try:
-        connection.request("POST", path, body, headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 def _still_serving(served: Served) -> None:
     client = httpclient.InferenceServerClient(served.http)
     try:
@@ -146,8 +135,8 @@ def test_http_binary_bytes_with_a_huge_shape_is_400_quickly(server: Served) -> N
         }
     ).encode()
     started = time.monotonic()
-    status, body = _post(
-        server,
+    status, body = post(
+        server.http,
         "/v2/models/identity_batch/infer",
         header + b"\0\0\0\0",
         {"Inference-Header-Content-Length": str(len(header))},
@@ -163,7 +152,7 @@ def test_http_empty_tensor_with_a_huge_dim_is_400(server: Served) -> None:
     body = json.dumps(
         {"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": [0, 10**30], "data": []}]}
     ).encode()
-    status, reply = _post(server, "/v2/models/identity_batch/infer", body)
+    status, reply = post(server.http, "/v2/models/identity_batch/infer", body)
     assert status == 400, reply
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from served import Served, start_server
+from served import Served, post, start_server
 
 DATATYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES", "FP8", ""]
 NAMES = ["IN_FP32", "IN_BYTES", "IN_BOOL", "IN_INT64", "IN_FP16", "INPUT", "", "IN_BF16"]
@@ -79,16 +79,6 @@ def server() -> Iterator[Served]:
     assert served.stop() == 0, served.text()
 
 
-def _post(server: Served, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection(server.http, timeout=30)
-    try:
-        connection.request("POST", path, body, headers)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 def _check(status: int, body: bytes) -> None:
     if status == 500 and b"did not produce the requested outputs" in body:
         return  # the identity models echo only the inputs given: asking for another output
@@ -116,7 +106,7 @@ def test_malformed_infer_requests_get_4xx(
     headers = {}
     if header_length is not None:
         headers["Inference-Header-Content-Length"] = header_length
-    status, body = _post(server, f"/v2/models/{model}/infer", header + binary, headers)
+    status, body = post(server.http, f"/v2/models/{model}/infer", header + binary, headers)
     _check(status, body)
 
 
@@ -125,7 +115,7 @@ def test_malformed_infer_requests_get_4xx(
 def test_random_bytes_get_4xx(server: Served, body: bytes, encoding: str | None) -> None:
     """Arbitrary bytes as a body, with any Content-Encoding: a JSON 4xx."""
     headers = {"Content-Encoding": encoding} if encoding else {}
-    status, reply = _post(server, "/v2/models/identity_batch/infer", body, headers)
+    status, reply = post(server.http, "/v2/models/identity_batch/infer", body, headers)
     _check(status, reply)
 
 

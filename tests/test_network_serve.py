@@ -18,20 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import MODELS, Served, start_server
+from served import MODELS, Served, post, start_server
 from tritonclient.utils import InferenceServerException
-
-
-def _post(
-    address: str, path: str, body: bytes, headers: dict[str, str] | None = None
-) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection(address, timeout=30)
-    try:
-        connection.request("POST", path, body, headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
 
 
 def _pipeline_body(value: float = 1.0) -> bytes:
@@ -66,11 +54,11 @@ def test_load_and_unload_over_both_protocols(explicit: Served) -> None:
     http_client.load_model("pipeline")
     assert grpc_client.is_model_ready("pipeline")
     assert grpc_client.is_model_ready("preprocess")
-    status, _ = _post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
+    status, _ = post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
     assert status == 200
     grpc_client.unload_model("pipeline")
     assert not http_client.is_model_ready("pipeline")
-    status, body = _post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
+    status, body = post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
     assert status == 404, body
     grpc_client.load_model("pipeline")
     assert http_client.is_model_ready("pipeline")
@@ -109,20 +97,20 @@ def test_body_size_limit_and_compression(explicit: Served) -> None:
     explicit_client = httpclient.InferenceServerClient(explicit.http)
     explicit_client.load_model("pipeline")
     explicit_client.close()
-    status, body = _post(explicit.http, "/v2/models/pipeline/infer", b" " * 5000)
+    status, body = post(explicit.http, "/v2/models/pipeline/infer", b" " * 5000)
     assert status == 413, body
     assert b"--http-max-input-size" in body
     small = gzip.compress(_pipeline_body(2.0))
-    status, body = _post(
+    status, body = post(
         explicit.http, "/v2/models/pipeline/infer", small, {"Content-Encoding": "gzip"}
     )
     assert status == 200, body
     bomb = gzip.compress(b" " * 100_000)
-    status, body = _post(
+    status, body = post(
         explicit.http, "/v2/models/pipeline/infer", bomb, {"Content-Encoding": "gzip"}
     )
     assert status == 413, body
-    status, body = _post(
+    status, body = post(
         explicit.http, "/v2/models/pipeline/infer", b"not gzip", {"Content-Encoding": "gzip"}
     )
     assert status == 400, body
