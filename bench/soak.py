@@ -25,9 +25,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _common import table
 from inprocess_servers import front_ends
-from mixed_load import at_rest, case, check, http_call
-
-from orchestrion import InferenceError
+from mixed_load import at_rest, check, embedding_round, http_call
 
 
 def _rss_kib() -> int:
@@ -46,16 +44,6 @@ async def main(rounds: int, requests: int) -> None:
     async with front_ends(cache_config="local,size=1048576") as (server, http_address, _):
         for number in range(rounds + 1):
             started = time.perf_counter()
-            todo = iter(range(requests))
-            answers: dict[int, object] = {}
-
-            async def client() -> None:
-                for index in todo:  # noqa: B023 (this round's iterator)
-                    model, inputs, _ = case(index)
-                    try:
-                        answers[index] = dict((await server.infer(model, inputs)).outputs)  # noqa: B023
-                    except InferenceError as exc:
-                        answers[index] = exc  # noqa: B023
 
             def http_client() -> None:
                 connection = http.client.HTTPConnection(http_address, timeout=60)
@@ -63,9 +51,13 @@ async def main(rounds: int, requests: int) -> None:
                     check(index, http_call(http_address, index, connection))
                 connection.close()
 
+            answers: dict[int, object] = {}
+
+            async def embedding(answers: dict[int, object] = answers) -> None:
+                answers.update(await embedding_round(server, requests))
+
             async with trio.open_nursery() as nursery:
-                for _ in range(128):
-                    nursery.start_soon(client)
+                nursery.start_soon(embedding)
                 nursery.start_soon(trio.to_thread.run_sync, http_client)
             for index, outcome in answers.items():
                 check(index, outcome)

@@ -46,12 +46,53 @@ def check(index: int, outcome: Any) -> None:
         np.testing.assert_allclose(outcome[name], want, rtol=1e-5, err_msg=f"{index} {name}")
 
 
+async def embedding_round(
+    server: AsyncServer, requests: int, concurrency: int = 128
+) -> dict[int, Any]:
+    """Requests 0 to ``requests - 1`` through the embedding API, ``concurrency`` at a time:
+    each index's outputs, or its `InferenceError`. Each index is answered once."""
+    import trio
+
+    answers: dict[int, Any] = {}
+    todo = iter(range(requests))
+
+    async def client() -> None:
+        for index in todo:
+            model, inputs, _ = case(index)
+            assert index not in answers
+            try:
+                answers[index] = dict((await server.infer(model, inputs)).outputs)
+            except InferenceError as exc:
+                answers[index] = exc
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(client)
+    assert sorted(answers) == list(range(requests))
+    return answers
+
+
 def at_rest(server: AsyncServer) -> None:
     """Every count, step, slot and queue of the server (and its cache actor) at rest."""
     assert_idle(server, "pipeline")
     cache = server.cache_statistics()
     assert cache is not None
     assert cache.queue_depth == 0
+
+
+def grpc_inputs(index: int) -> tuple[str, list[Any]]:
+    """Request ``index`` for tritonclient.grpc: its model and its inputs."""
+    import tritonclient.grpc as grpcclient
+
+    model, inputs, _ = case(index)
+    items = []
+    for name, value in inputs.items():
+        item = grpcclient.InferInput(
+            name, list(value.shape), DataType.from_numpy(value.dtype).value
+        )
+        item.set_data_from_numpy(value)
+        items.append(item)
+    return model, items
 
 
 def http_call(address: str, index: int, connection: http.client.HTTPConnection) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability_report import record
 from served import Served, post, start_server
 
 DATATYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES", "FP8", ""]
@@ -79,6 +80,14 @@ def server() -> Iterator[Served]:
     assert served.stop() == 0, served.text()
 
 
+_COUNTS: dict[str, int] = {}
+
+
+def _count(tried: str, unit: str, happened: str) -> None:
+    _COUNTS[tried] = _COUNTS.get(tried, 0) + 1
+    record("Bad input", tried, f"{_COUNTS[tried]} {unit} (Hypothesis)", happened)
+
+
 def _check(status: int, body: bytes) -> None:
     if status == 500 and b"did not produce the requested outputs" in body:
         return  # the identity models echo only the inputs given: asking for another output
@@ -99,7 +108,11 @@ def _check(status: int, body: bytes) -> None:
     | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=5),
 )
 def test_malformed_infer_requests_get_4xx(
-    server: Served, model: str, document: dict[str, Any], binary: bytes, header_length: str | None
+    server: Served,
+    model: str,
+    document: dict[str, Any],
+    binary: bytes,
+    header_length: str | None,
 ) -> None:
     """Random infer documents, binary tails and header lengths: 200 or a JSON 4xx."""
     header = json.dumps(document).encode()
@@ -108,6 +121,12 @@ def test_malformed_infer_requests_get_4xx(
         headers["Inference-Header-Content-Length"] = header_length
     status, body = post(server.http, f"/v2/models/{model}/infer", header + binary, headers)
     _check(status, body)
+    _count(
+        "Malformed KServe infer documents over HTTP (shapes up to 2**63, wrong types, "
+        "wrong binary_data_size, bad header lengths)",
+        "requests",
+        "each a 200 or a JSON 4xx naming the problem; never a 500 or a dropped connection",
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,6 +136,11 @@ def test_random_bytes_get_4xx(server: Served, body: bytes, encoding: str | None)
     headers = {"Content-Encoding": encoding} if encoding else {}
     status, reply = post(server.http, "/v2/models/identity_batch/infer", body, headers)
     _check(status, reply)
+    _count(
+        "Random bytes as an infer body, plain or claiming gzip/deflate/br",
+        "bodies",
+        "each a JSON 4xx",
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -136,3 +160,8 @@ def test_garbage_on_the_socket_never_kills_the_server(server: Served, raw: bytes
     connection.request("GET", "/v2/health/live")
     assert connection.getresponse().status == 200
     connection.close()
+    _count(
+        "Raw garbage on the HTTP socket instead of a request",
+        "connections",
+        "a 400 or a close; the server stays live",
+    )

@@ -1,0 +1,87 @@
+"""The reliability suite's report: each test records (`reliability_report.record`) what it
+tried, how much of it and what happened; pytest adds whether the test passed. The rows are
+printed at the end of the run and, with ``ORCHESTRION_RELIABILITY_REPORT=docs/reliability.md``,
+written as that document."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from reliability_report import AREAS, SIZE, TRIALS
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Mark each test's rows with its outcome (a failure in any phase is a failure)."""
+    for trial in TRIALS:
+        if trial.test != report.nodeid:
+            continue
+        if report.failed:
+            trial.outcome = "FAILED"
+        elif report.when == "call" and trial.outcome != "FAILED":
+            trial.outcome = "passed"
+
+
+def _rows() -> Iterator[str]:
+    for area in AREAS:
+        trials = [t for t in TRIALS if t.area == area]
+        if not trials:
+            continue
+        yield f"\n## {area}\n"
+        yield "| tried | amount | what happened | test |"
+        yield "|---|---|---|---|"
+        for t in trials:
+            name = t.test.split("::")[-1]
+            happened = t.happened if t.outcome == "passed" else f"**{t.outcome}**: {t.happened}"
+            yield f"| {t.tried} | {t.amount} | {happened} | `{name}` |"
+
+
+def _document() -> str:
+    versions = ", ".join(
+        f"{name} {metadata.version(name)}"
+        for name in ("trio", "jax", "redis", "grpcio", "h11", "hypothesis")
+    )
+    passed = sum(t.outcome == "passed" for t in TRIALS)
+    head = [
+        "# Reliability report",
+        "",
+        "Written by the reliability suite itself (`tests/reliability/`), with this command:",
+        "",
+        "```",
+        f"ORCHESTRION_LOAD_REQUESTS={SIZE} ORCHESTRION_RELIABILITY_REPORT=docs/reliability.md \\",
+        "    .venv/bin/python -m pytest tests/reliability",
+        "```",
+        "",
+        f"- run on {datetime.date.today().isoformat()}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}; {versions};",
+        f"- {passed} of {len(TRIALS)} trials passed. Each row is one test's record: what it "
+        "threw at orchestrion, how much of it, and what the test checked happened. CI runs the "
+        "same tests at a smaller size (3,000 requests per load test).",
+    ]
+    return "\n".join([*head, *_rows(), ""])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the document where ``ORCHESTRION_RELIABILITY_REPORT`` says."""
+    target = os.environ.get("ORCHESTRION_RELIABILITY_REPORT")
+    if target and TRIALS:
+        Path(target).write_text(_document())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the rows, one line each."""
+    if not TRIALS:
+        return
+    terminalreporter.section("reliability report")
+    for t in TRIALS:
+        terminalreporter.write_line(
+            f"{t.outcome:>8}  {t.area}: {t.tried} ({t.amount}): {t.happened}"
+        )
+    if sys.stdout.isatty() and not os.environ.get("ORCHESTRION_RELIABILITY_REPORT"):
+        terminalreporter.write_line("(ORCHESTRION_RELIABILITY_REPORT=PATH writes the document)")
