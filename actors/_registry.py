@@ -47,6 +47,7 @@ from ..protocols import (
     cache_key,
     is_decoupled,
     shared_outputs,
+    stored_outputs_problem,
     validate_repository,
 )
 from ..telemetry import UNSAMPLED, RequestTracing
@@ -367,6 +368,15 @@ class ModelRegistry:
             looking = time.perf_counter_ns()
             flight = await cache.begin(key)
             try:
+                if flight.entry is not None and not flight.shared:
+                    problem = stored_outputs_problem(
+                        runner.config,
+                        flight.entry.outputs,
+                        batch_size(runner.config.max_batch_size, request.inputs),
+                        wanted,
+                    )
+                    if problem is not None:
+                        flight.reject(problem)
                 hit = flight.entry is not None
                 if self.tracing is not None:
                     self.tracing.record(
@@ -714,9 +724,13 @@ class ModelRegistry:
             name = todo.pop()
             if name in entries:
                 continue
-            folder = (root / name).resolve()
-            if folder.parent != root.resolve() or not folder.is_dir():
-                errors.append(f"{root}: has no model folder '{name}'")
+            try:
+                folder = (root / name).resolve()
+                found = folder.parent == root.resolve() and folder.is_dir()
+            except OSError:  # a name the file system cannot hold (too long, say)
+                found = False
+            if not found:
+                errors.append(f"{root}: has no model folder {name!r:.80}")
                 continue
             entry, problems = scan_model_folder(folder)
             errors.extend(problems)

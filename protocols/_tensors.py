@@ -185,6 +185,42 @@ def check_outputs(config: ModelConfig, outputs: Mapping[str, Any]) -> Tensors:
     return result
 
 
+def stored_outputs_problem(
+    config: ModelConfig,
+    outputs: Mapping[str, Any],
+    batch: int,
+    wanted: frozenset[str] | None,
+) -> str | None:
+    """Why ``outputs`` read from a cache cannot answer a request of ``batch`` inferences that
+    asked for ``wanted`` (None: every output); None when they can.
+
+    A cache shared with other writers (Redis) can hold anything under a key: the names, data
+    types, shapes and batch size of a stored response are checked before it is served.
+    """
+    for name, value in outputs.items():
+        tensor = config.output_named(name)
+        if tensor is None:
+            return f"it holds an output {name!r:.60} that the model does not have"
+        if wanted is not None and name not in wanted:
+            return f"it holds output '{name}', which the request did not ask for"
+        if not isinstance(value, np.ndarray):
+            return f"output '{name}' is not an array"
+        if tensor.data_type is DataType.BYTES:
+            if value.dtype != object:
+                return f"output '{name}' has data type {_type_name(value)}, expected BYTES"
+        elif value.dtype != tensor.data_type.numpy_dtype:
+            return (
+                f"output '{name}' has data type {_type_name(value)}, expected "
+                f"{tensor.data_type.value}"
+            )
+        error = _shape_error(tensor, value, config.max_batch_size)
+        if error:
+            return f"output '{name}' {error}"
+        if config.max_batch_size > 0 and value.shape[0] != batch:
+            return f"output '{name}' has a batch of {value.shape[0]}, the request {batch}"
+    return None
+
+
 def apply_reshape(
     tensor: TensorConfig, array: np.ndarray[Any, Any], max_batch_size: int
 ) -> np.ndarray[Any, Any]:

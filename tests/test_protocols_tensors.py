@@ -22,6 +22,7 @@ from orchestrion.protocols import (
     apply_reshape,
     check_inputs,
     check_outputs,
+    stored_outputs_problem,
 )
 
 PACKAGE_ROOT = pathlib.Path(orchestrion.protocols.__file__).parent.parent
@@ -355,3 +356,34 @@ def test_protocols_import_no_io_libraries() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+# stored_outputs_problem
+
+
+@pytest.mark.parametrize(
+    ("outputs", "batch", "wanted", "problem"),
+    [
+        ({"OUT": fp32(3, 2)}, 3, None, None),
+        ({}, 3, None, None),  # a model may leave outputs out
+        ({"OUT": fp32(3, 2)}, 3, frozenset({"OUT"}), None),
+        ({"EVIL": fp32(3, 2)}, 3, None, "an output 'EVIL' that the model does not have"),
+        ({"OUT": fp32(3, 2)}, 3, frozenset({"X"}), "which the request did not ask for"),
+        ({"OUT": np.zeros((3, 2), np.int32)}, 3, None, "data type INT32, expected FP32"),
+        ({"OUT": fp32(3, 1)}, 3, None, "has shape [3, 1], expected [-1,2]"),
+        ({"OUT": fp32(9, 2)}, 9, None, "has batch size 9, expected 1 to 8"),
+        ({"OUT": fp32(2, 2)}, 3, None, "has a batch of 2, the request 3"),
+        ({"OUT": [[0.0, 0.0]]}, 1, None, "is not an array"),
+    ],
+)
+def test_stored_outputs_problem(
+    outputs: dict[str, Any], batch: int, wanted: frozenset[str] | None, problem: str | None
+) -> None:
+    """A response read from a cache must fit the model and the request: names, data types,
+    shapes and batch size; anything else says why."""
+    found = stored_outputs_problem(model(8), outputs, batch, wanted)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
