@@ -51,6 +51,32 @@ MAX_BATCH = 256
 """Operations one worker hands to the cache at once."""
 
 
+@attrs.define(eq=False)
+class Throttled:
+    """A warning that is logged at most once per ``every`` seconds: a cache that keeps
+    meeting bad entries must not flood the log, nor go quiet for good after the first one.
+    The warnings held back are logged at DEBUG and counted into the next one."""
+
+    logger: logging.Logger
+    every: float = 60.0
+    _next_at: float = float("-inf")
+    _held: int = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        """Log ``message % args`` as a warning, unless one went out in the last ``every`` s."""
+        now = time.monotonic()
+        if now < self._next_at:
+            self._held += 1
+            self.logger.debug(message, *args)
+            return
+        if self._held:
+            message += " (and %d more like it in the last %.0f s)"
+            args = (*args, self._held, self.every)
+        self._held = 0
+        self._next_at = now + self.every
+        self.logger.warning(message, *args)
+
+
 @attrs.define(eq=False, slots=True)
 class _Lookup:
     key: CacheKey
@@ -89,6 +115,27 @@ class Flight:
         self._actor._insert(entry)
         self.insert_ns = time.perf_counter_ns() - start
 
+    def reject(self, problem: str) -> None:
+        """The entry found does not fit the request (``problem`` says why: a foreign or
+        crafted value): count a miss instead of a hit and log it; the caller now runs the
+        model, `store`s a right entry over the wrong one, and identical requests wait for it."""
+        actor = self._actor
+        actor.hits -= 1
+        actor.misses += 1
+        actor.rejected += 1
+        actor._misfits.warning(
+            "%s cache: ignoring the entry stored under key %s for a request of '%s' (%s); "
+            "treated as a miss",
+            actor.name,
+            self.key.hex,
+            self.key.model_name,
+            problem,
+        )
+        self.entry = None
+        if self._done is None and self.key.digest not in actor._flights:
+            self._done = trio.Event()
+            actor._flights[self.key.digest] = self
+
     def release(self) -> None:
         """End the flight: wake identical requests (they share `entry`, or run themselves)."""
         done = self._done
@@ -121,8 +168,10 @@ class CacheActor:
     _flights: dict[bytes, Flight] = attrs.field(factory=dict)
     _pending: dict[bytes, CacheEntry] = attrs.field(factory=dict)
     """Entries queued for a batched backend: hits until written (read your own writes)."""
+    rejected: int = 0
+    """Entries found that did not fit their request (counted as misses too)."""
     _send: trio.MemorySendChannel[_Lookup | _Insert] | None = None
-    _warned_mismatch: bool = False
+    _misfits: Throttled = attrs.field(factory=lambda: Throttled(_log))
 
     # -- the request side ------------------------------------------------------------------
 
@@ -187,15 +236,13 @@ class CacheActor:
     def _accept(self, key: CacheKey, entry: CacheEntry | None) -> CacheEntry | None:
         self.lookups += 1
         if entry is not None and not entry.matches(key):
-            if not self._warned_mismatch:
-                self._warned_mismatch = True
-                _log.warning(
-                    "%s cache: an entry stored under the key of a request for '%s' belongs "
-                    "to another request (a digest collision, or another writer); treated as "
-                    "a miss",
-                    self.name,
-                    key.model_name,
-                )
+            self.rejected += 1
+            self._misfits.warning(
+                "%s cache: an entry stored under the key of a request for '%s' belongs to "
+                "another request (a digest collision, or another writer); treated as a miss",
+                self.name,
+                key.model_name,
+            )
             entry = None
         if entry is None:
             self.misses += 1

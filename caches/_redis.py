@@ -35,6 +35,7 @@ from ..protocols import (
     option_bool,
     option_int,
 )
+from ._actor import Throttled
 from ._protocol import ResponseCache
 
 _log = logging.getLogger("orchestrion.caches")
@@ -94,7 +95,7 @@ class RedisCache(ResponseCache):
         self.concurrency = concurrency
         self.retry_interval = retry_interval
         self._limiter = trio.CapacityLimiter(concurrency)
-        self._warned_undecodable = False
+        self._undecodable = Throttled(_log)
 
     def _name(self, key: CacheKey) -> str:
         return self.prefix + key.hex
@@ -122,9 +123,7 @@ class RedisCache(ResponseCache):
         try:
             return decode_entry(value)
         except ValueError as exc:
-            level = logging.DEBUG if self._warned_undecodable else logging.WARNING
-            self._warned_undecodable = True
-            _log.log(level, "redis cache: ignoring the value of %s: %s", name, exc)
+            self._undecodable.warning("redis cache: ignoring the value of %s: %s", name, exc)
             return None
 
     async def insert(self, entries: Sequence[CacheEntry]) -> None:

@@ -649,3 +649,24 @@ async def test_followers_of_a_cancelled_leader_still_get_the_stored_entry(
             cache.gate.set()
         hits = server.model_statistics("m")[0].inference_stats.cache_hit.count
     assert (len(calls), hits) == (0, 8)
+
+
+def test_throttled_warnings_hold_back_and_count_repeats(caplog: pytest.LogCaptureFixture) -> None:
+    """A warning that repeats is logged once per window; the ones held back go to DEBUG and
+    are counted into the next warning."""
+    from orchestrion.caches._actor import Throttled
+
+    caplog.set_level(logging.DEBUG, logger="test.throttled")
+    throttled = Throttled(logging.getLogger("test.throttled"), every=3600.0)
+    for n in range(3):
+        throttled.warning("bad entry %d", n)
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels == [
+        (logging.WARNING, "bad entry 0"),
+        (logging.DEBUG, "bad entry 1"),
+        (logging.DEBUG, "bad entry 2"),
+    ]
+    throttled._next_at = 0.0  # the window has passed
+    throttled.warning("bad entry %d", 3)
+    assert caplog.records[-1].levelno == logging.WARNING
+    assert caplog.records[-1].getMessage() == "bad entry 3 (and 2 more like it in the last 3600 s)"
