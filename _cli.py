@@ -204,6 +204,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
+    except BaseExceptionGroup as group:
+        # The nursery of `serve` or `run` wraps a start-up error: the same clear message.
+        sole = _sole(group)
+        if not isinstance(sole, ConfigError | ModelLoadError | CacheUnavailableError):
+            raise
+        console.print(f"[red]error:[/red] {sole}", highlight=False, soft_wrap=True)
+        return 2
+
+
+def _sole(error: BaseException) -> BaseException:
+    """The one exception inside nested groups of one (or the group itself)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:

@@ -177,9 +177,18 @@ def repository_fingerprints(root: Path) -> dict[str, object]:
     }
 
 
+NAME_MAX = 255
+"""The longest folder name (bytes) of common file systems."""
+
+
 def _check_name(name: str) -> None:
     """A model name is one folder of the repository: never a path out of it."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise InvalidRequestError(f"invalid model name {name!r:.80}: a repository folder name")
     if Path(name).name != name:
         raise InvalidRequestError(f"invalid model name {name!r:.80}")
+    if len(name.encode(errors="surrogatepass")) > NAME_MAX:
+        raise InvalidRequestError(
+            f"invalid model name {name!r:.80}...: longer than a folder name can be "
+            f"({NAME_MAX} bytes)"
+        )
