@@ -17,6 +17,7 @@ from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
 from .actors import Model, ModelRegistry
+from .actors._watchdog import watch_event_loop
 from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
     CacheStatistics,
@@ -362,6 +363,7 @@ async def open_server(
     # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
     # the cache they used.
     async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(watch_event_loop())
         tracer = await _tracing(stack, tracing)
         actor: CacheActor | None = None
         if settings is not None:

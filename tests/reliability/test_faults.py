@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import logging
 import os
 import random
 import signal
@@ -36,6 +37,7 @@ from orchestrion import (
     InferenceTimeoutError,
     open_server,
 )
+from orchestrion.actors._watchdog import TICK
 
 X = np.arange(16, dtype=np.float32)
 
@@ -99,6 +101,44 @@ async def test_a_hanging_model_times_out_and_its_instance_recovers() -> None:
         "1 + 3 requests with a timeout, 5 queued behind the hang",
         "each timed-out caller answered at its timeout; the queued requests and later ones "
         "served by the same instance once it came back (none lost, none poisoned)",
+    )
+
+
+async def test_a_model_hanging_inline_is_named_by_the_watchdog(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A synchronous model that runs inline and hangs holds the event loop: nothing can
+    interrupt it, so the request's timeout only fires once it returns. The watchdog logs which
+    model holds the loop and at which line, and logs again when the loop runs again."""
+    caplog.set_level(logging.INFO, logger="orchestrion")
+
+    def sometimes_slow(X: Any) -> dict[str, Any]:
+        if X[0] < 0:
+            time.sleep(1.6)  # stands for a hang that ends
+        return {"Y": X + 1}
+
+    inline = model("inline_hang", sometimes_slow, [tensor("X")], [tensor("Y")], jit=False)
+    inline.config.parameters["execution"] = "inline"
+    async with open_server(models=[inline]) as server:
+        with pytest.raises(InferenceTimeoutError):
+            await server.infer("inline_hang", {"X": -X - 1}, timeout=0.2)
+        await trio.sleep(2 * TICK)
+        response = await server.infer("inline_hang", {"X": X})
+        np.testing.assert_array_equal(response.outputs["Y"], X + 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "held for" in errors[0]
+    assert "model 'inline_hang' (version 1) running inline" in errors[0]
+    assert f"{__file__}:" in errors[0]
+    assert "in sometimes_slow" in errors[0]
+    assert '"execution"' in errors[0]
+    assert any("runs again" in r.getMessage() for r in caplog.records)
+    record(
+        "Faults",
+        "A model that hangs while running inline on the event loop (1.6 s)",
+        "1 request with a 0.2 s timeout",
+        "the watchdog logged the model and the line holding the loop, then the time it was "
+        "held; the late result became a timeout error; the model served the next request",
     )
 
 
