@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import attrs
 import grpc
 import trio
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from ._control import ModelControl
@@ -451,6 +453,8 @@ class _Stream:
         assert self._nursery is not None
         await self._window.acquire()
         try:
+            if isinstance(message, _Undecodable):
+                raise InvalidRequestError(message.error)
             wire = decode_grpc_request(message)
         except Exception as exc:  # one bad request fails alone; the stream goes on
             self._window.release()
@@ -581,6 +585,59 @@ async def open_grpc_api(
         raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
 
 
+@attrs.frozen
+class _Undecodable:
+    """A message protobuf cannot decode (a string field that is not UTF-8, say): it becomes
+    this request's INVALID_ARGUMENT, instead of grpcio's UNKNOWN for the whole call (which
+    would end a stream with every request on it)."""
+
+    error: str
+    model_name: str = ""
+    model_version: str = ""
+    id: str = ""
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Undecodable(f"the request message cannot be decoded: {exc}")
+
+    return deserialize
+
+
+def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: Any) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        result = behaviour(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return unary
+
+
+def _handlers(service: InferenceService) -> grpc.GenericRpcHandler:
+    """The service's methods, as the generated code registers them, with lenient decoding."""
+    descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_type = getattr(service_pb2, method.input_type.name)
+        response_type = getattr(service_pb2, method.output_type.name)
+        behaviour = getattr(service, method.name)
+        coding = {
+            "request_deserializer": _lenient(request_type.FromString),
+            "response_serializer": response_type.SerializeToString,
+        }
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **coding)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _refusing_undecodable(behaviour), **coding
+            )
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
 @attrs.define(eq=False)
 class _LoopThread:
     """The asyncio loop (in a worker thread) that runs grpcio's server."""
@@ -615,7 +672,7 @@ class _LoopThread:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, grpc_server)
+        grpc_server.add_generic_rpc_handlers((_handlers(self.service),))
         try:
             port = grpc_server.add_insecure_port(self.address)
         except RuntimeError as exc:

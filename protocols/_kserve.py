@@ -160,7 +160,7 @@ def parse_version(text: str) -> int:
     """A model version from a URL or a message field: empty means the latest (-1)."""
     if text in ("", "-1"):
         return -1
-    if not text.isdigit() or len(text) > 18:
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
         raise InvalidRequestError(f"invalid model version '{text:.40}': expected an integer")
     return int(text)
 
@@ -248,7 +248,7 @@ def element_count(shape: Sequence[object], tensor: str) -> int:
         raise InvalidRequestError(
             f"invalid shape for tensor '{tensor}': {len(shape)} dims (at most {MAX_DIMS})"
         )
-    count = 1
+    count = span = 1
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise InvalidRequestError(
@@ -260,6 +260,12 @@ def element_count(shape: Sequence[object], tensor: str) -> int:
                 f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': dim {dim} is too large"
             )
         count *= dim
+        span *= max(dim, 1)
+    if span > MAX_DIM:  # numpy refuses such a shape even with a zero dim ("too big")
+        raise InvalidRequestError(
+            f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': too large (the non-zero "
+            f"dims multiply to more than {MAX_DIM})"
+        )
     return count
 
 
@@ -471,7 +477,13 @@ def _json_tensor(
         for i, item in enumerate(flat):
             if not isinstance(item, str):
                 raise InvalidRequestError(f"input '{name}': BYTES elements must be strings")
-            array[i] = item.encode()
+            try:
+                array[i] = item.encode()
+            except UnicodeEncodeError:  # a lone surrogate, which JSON text can carry
+                raise InvalidRequestError(
+                    f"input '{name}': element {i} is not valid Unicode (a lone surrogate); "
+                    "send such bytes as binary data"
+                ) from None
         return array.reshape(tuple(shape))
     if dtype is DataType.BOOL:
         if not all(isinstance(item, bool) for item in flat):
