@@ -24,6 +24,7 @@ from ._examples import Example, load_example
 from ._serve import Endpoints, ServeOptions, serve
 from ._server import AsyncServer, open_server
 from .actors import load_model_code, scan_repository
+from .actors._repository import CONFIG_FILE
 from .protocols import (
     CacheUnavailableError,
     ConfigError,
@@ -271,7 +272,13 @@ def _cache_flags(
 def _validate(root: Path, console: Console) -> int:
     entries, errors = scan_repository(root)
     configs = {e.name: e.config for e in entries}
-    errors.extend(validate_repository(configs, {e.name: e.versions for e in entries}))
+    errors.extend(
+        validate_repository(
+            configs,
+            {e.name: e.versions for e in entries},
+            {e.name: str(e.path / CONFIG_FILE) for e in entries},
+        )
+    )
     for entry in entries:
         for version in entry.versions:
             try:

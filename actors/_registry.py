@@ -538,7 +538,13 @@ class ModelRegistry:
                 errors.append(f"model '{name}': all versions must share one config")
             configs[name] = latest.config
             versions[name] = list(defs)
-        errors.extend(validate_repository(configs, versions))
+        sources = {
+            name: model.config_source
+            for name, defs in new.items()
+            for model in defs.values()
+            if model.config_source != "<python>"
+        }
+        errors.extend(validate_repository(configs, versions, sources))
         if errors:
             raise ConfigError(list(dict.fromkeys(errors)))
 

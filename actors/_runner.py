@@ -296,7 +296,8 @@ class ModelRunner:
                 timings.append(time.perf_counter_ns() - start)
             typical = sorted(timings)[len(timings) // 2]
         except Exception as exc:
-            shapes = ", ".join(f"{k}: {list(v.shape)}" for k, v in inputs.items())
+            lead = (max(batches),) if max(batches) else ()
+            shapes = ", ".join(f"{t.name}: {list(lead + t.dims)}" for t in config.input)
             raise ModelLoadError(
                 f"{self.model.source} (model '{self.model.name}'): compiling execute at load "
                 f"for the declared shapes ({shapes}; a leading batch dimension of 1 and of "

@@ -180,6 +180,8 @@ def parse_model_config(text: str, *, source: str = "config.pbtxt") -> ModelConfi
         text_format.Parse(text, message)
     except text_format.ParseError as exc:
         raise ConfigError(f"{source}:{exc}") from exc
+    except ValueError as exc:  # a number the field's type cannot hold ("Value out of range")
+        raise ConfigError(f"{source}: {exc}") from exc
     data = json_format.MessageToDict(message, preserving_proto_field_name=True)
     return model_config_from_dict(data, source=source, text=text)
 

@@ -101,6 +101,11 @@ def _scheduling_errors(config: ModelConfig) -> list[str]:
     return errors
 
 
+MAX_INSTANCES = 1024
+"""Instances one model may have (Triton sets no limit; a typo of a few digits would
+otherwise exhaust memory while loading)."""
+
+
 def validate_model_config(config: ModelConfig) -> list[str]:
     """Rules of one config that need no other model (names, dims, kinds, ensemble fields)."""
     name = config.name
@@ -140,6 +145,14 @@ def validate_model_config(config: ModelConfig) -> list[str]:
         for group in config.instance_group:
             if group.count < 1:
                 errors.append(f"model '{name}': instance_group count must be >= 1")
+        total = sum(
+            max(group.count, 0) * max(len(group.gpus), 1) for group in config.instance_group
+        )
+        if total > MAX_INSTANCES:
+            errors.append(
+                f"model '{name}': instance_group asks for {total} instances (at most "
+                f"{MAX_INSTANCES} per model: each is an actor with its own copy of the model)"
+            )
     elif not config.output:
         errors.append(f"ensemble '{name}': an ensemble needs at least one output")
     policy = config.version_policy
@@ -189,22 +202,31 @@ def _cycle_errors(models: Mapping[str, ModelConfig]) -> list[str]:
 
 
 def validate_repository(
-    models: Mapping[str, ModelConfig], versions: Mapping[str, Iterable[int]] | None = None
+    models: Mapping[str, ModelConfig],
+    versions: Mapping[str, Iterable[int]] | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Every rule for a set of models that will be served together.
 
     Args:
         models: configs by model name.
         versions: available versions by model name, to check ``model_version`` of steps.
+        sources: where each model's config came from (its ``config.pbtxt``): each error
+            about one model starts with it.
     """
+
+    def located(name: str, found: list[str]) -> list[str]:
+        source = (sources or {}).get(name)
+        return [f"{source}: {error}" for error in found] if source else found
+
     errors: list[str] = []
-    for config in models.values():
-        errors.extend(validate_model_config(config))
+    for name, config in models.items():
+        errors.extend(located(name, validate_model_config(config)))
     errors.extend(_cycle_errors(models))
-    for config in models.values():
+    for name, config in models.items():
         if config.is_ensemble and config.ensemble_scheduling is not None:
-            errors.extend(validate_ensemble(config, models, versions))
-            errors.extend(_ensemble_cache_errors(config, models))
+            errors.extend(located(name, validate_ensemble(config, models, versions)))
+            errors.extend(located(name, _ensemble_cache_errors(config, models)))
     return errors
 
 
