@@ -12,6 +12,11 @@ SIZE = int(os.environ.get("ORCHESTRION_LOAD_REQUESTS", "3000"))
 full size the reliability report is made with."""
 
 
+def examples(base: int) -> int:
+    """Hypothesis examples for a fuzz test: ``base`` at CI size, more at the full size."""
+    return base * max(1, SIZE // 3000)
+
+
 @attrs.define
 class Trial:
     """One row of the report."""

@@ -62,9 +62,25 @@ def _document() -> str:
         f"{os.cpu_count()} cores, Python {platform.python_version()}; {versions};",
         f"- {passed} of {len(TRIALS)} trials passed. Each row is one test's record: what it "
         "threw at orchestrion, how much of it, and what the test checked happened. CI runs the "
-        "same tests at a smaller size (3,000 requests per load test).",
+        "same tests at a smaller size (3,000 requests per load test, fewer Hypothesis "
+        "examples).",
     ]
-    return "\n".join([*head, *_rows(), ""])
+    limits = [
+        "",
+        "## What these tests cannot show",
+        "",
+        "- A synchronous model that hangs while running inline holds the event loop: no "
+        "timeout can fire until it returns. The watchdog names it in the log (see the row "
+        "above); models that can take long belong in a worker thread (`execution: thread`), "
+        "where a hang holds one instance and the request's timeout answers the caller.",
+        "- A writer with access to Redis can store a well-formed entry of the right names, "
+        "types and shapes with wrong values under a request's key; the checks catch foreign, "
+        "corrupted and misshapen entries, not forged values. Protect Redis with a password "
+        "or ACL and TLS.",
+        "- Sizes: the load tests run for seconds, not days; `bench/soak.py` runs longer "
+        "rounds (see docs/performance.md).",
+    ]
+    return "\n".join([*head, *_rows(), *limits, ""])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -27,7 +27,7 @@ import tritonclient.http as httpclient
 from inprocess_servers import front_ends
 from mixed_load import case, check, grpc_inputs, http_call
 from redis_server import RedisServer
-from reliability_report import record
+from reliability_report import SIZE, record
 from served import Served, start_server
 
 from builders import assert_idle, ensemble, gated, model, step, tensor
@@ -449,7 +449,7 @@ def test_redis_killed_and_restarted_twice_under_network_load(redis_server: Redis
             hits = _wait_for_hits(served, 0)
             for _ in range(2):
                 redis_server.kill()
-                load.wait_for(load.count() + 400)  # served uncached meanwhile
+                load.wait_for(load.count() + max(400, SIZE // 10))  # served uncached
                 redis_server.start()  # same port, empty
                 hits = _wait_for_hits(served, hits + 20)
             answered = load.count()

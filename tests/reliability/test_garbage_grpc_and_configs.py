@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_report import record
+from reliability_report import examples, record
 from served import MODELS, Served, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -410,7 +410,7 @@ def _check_answer(request: Any, response: Any) -> None:
             assert echoed["OUT_" + tensor.name[3:]] == data, tensor.name
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=infer_requests(MODELS_UNARY))
 def test_malformed_grpc_infer_requests_get_invalid_argument(
     stub: Any, case: tuple[Any, list[str]]
@@ -502,7 +502,7 @@ def test_oversized_grpc_message_is_resource_exhausted(stub: Any) -> None:
 # ------------------------------------------------------------------------ gRPC streams
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     items=st.lists(
         st.one_of(
@@ -719,7 +719,7 @@ def _check_load_error(exc: BaseException, root: Path) -> None:
 TEXTS = {name: (MODELS / name / "config.pbtxt").read_text() for name in CONFIG_MODELS}
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     target_config=st.sampled_from(["square", "repeat_squares", "pipeline"]).flatmap(
         lambda name: st.tuples(st.just(name), mutated_configs(TEXTS[name]))
@@ -926,7 +926,7 @@ _SQUARE_BODY = json.dumps(
 ).encode()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     model=st.sampled_from(["identity_batch", "pipeline", "square"]),
     name=st.sampled_from(["IN_FP32", "IN_FP64", "IN_INT32", "IN_BOOL", "IN_BYTES", "INPUT", "Y"]),
@@ -957,7 +957,7 @@ def test_http_nan_and_infinity_tokens(
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     junk=st.binary(min_size=1, max_size=4).filter(lambda b: not _is_utf8(b)),
     where=st.sampled_from(["name", "id", "datatype", "data", "key", "outside"]),
@@ -1015,7 +1015,7 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     elements=st.lists(
         st.tuples(st.integers(0, 10) | st.sampled_from([2**31, 2**32 - 1]), st.binary(max_size=10)),

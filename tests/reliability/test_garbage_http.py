@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_report import record
+from reliability_report import examples, record
 from served import Served, post, start_server
 
 DATATYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES", "FP8", ""]
@@ -97,7 +97,7 @@ def _check(status: int, body: bytes) -> None:
         assert "error" in json.loads(body), body[:300]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     model=st.sampled_from(MODELS),
     document=documents,
@@ -129,7 +129,7 @@ def test_malformed_infer_requests_get_4xx(
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(body=st.binary(max_size=300), encoding=st.sampled_from([None, "gzip", "deflate", "br"]))
 def test_random_bytes_get_4xx(server: Served, body: bytes, encoding: str | None) -> None:
     """Arbitrary bytes as a body, with any Content-Encoding: a JSON 4xx."""
@@ -143,7 +143,7 @@ def test_random_bytes_get_4xx(server: Served, body: bytes, encoding: str | None)
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(raw=st.binary(min_size=1, max_size=200))
 def test_garbage_on_the_socket_never_kills_the_server(server: Served, raw: bytes) -> None:
     """Raw garbage instead of HTTP: the server answers 400 or closes, and keeps serving."""
