@@ -28,7 +28,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -43,6 +43,7 @@ from ..protocols import (
     ModelConfig,
     ModelStatistics,
     Observer,
+    OrchestrionError,
     ParameterValue,
     ServerClosedError,
     StepPlan,
@@ -54,6 +55,8 @@ from ..protocols import (
     match_batching,
     undo_reshape,
 )
+from ._fusion import Fusion
+from ._runner import ModelRunner, batch_size
 from ._stats import StatsRecorder
 
 
@@ -71,6 +74,10 @@ class Router(Protocol):
     def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]: ...
 
     def decoupled(self, model_name: str) -> bool: ...
+
+    def resolve(self, name: str, version: int = -1) -> object: ...
+
+    def fusable(self, runner: object, max_batch_size: int) -> bool: ...
 
 
 @attrs.frozen
@@ -169,6 +176,11 @@ class EnsembleRunner:
     _closing: bool = False
     _plans: dict[frozenset[str], _Plan] = attrs.field(init=False, factory=dict)
     _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
+    _fusion: Fusion | None = None
+    _unfusable: tuple[object, ...] = ()
+    """The composing runners last found unfusable (not checked again until one changes)."""
+    _may_fuse: bool = attrs.field(init=False, default=False)
+    _order_all: tuple[StepPlan, ...] = attrs.field(init=False, default=())
 
     def __attrs_post_init__(self) -> None:
         self.graph = EnsembleGraph.from_config(self.config)
@@ -192,6 +204,14 @@ class EnsembleRunner:
                 )
             )
         self._idle.set()
+        self._may_fuse = (
+            self.config.parameters.get("fusion", "on") != "off"
+            and self.observer is None
+            and not self._reshaped_inputs
+            and all(t.reshape is None for t in self.config.output)
+        )
+        everything = self._make_plan(frozenset(self.graph.outputs))
+        self._order_all = tuple(self.graph.steps[i] for i in self._order(everything))
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of the ensemble's own statistics."""
@@ -534,6 +554,10 @@ class EnsembleRunner:
                 client asked for by name).
             ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
+        if self._may_fuse:
+            response = await self._fused(request)
+            if response is not None:
+                return response
         requested, plan, tensors = self._begin(request)
         run = _Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
@@ -561,6 +585,48 @@ class EnsembleRunner:
         if run.error is not None:
             raise run.error
         return self._response(request, requested, run.tensors)
+
+    async def _fused(self, request: InferRequest) -> InferResponse | None:
+        """The response of the fused call (see `Fusion`), or None: the scheduler runs it."""
+        requested = request.requested_outputs
+        if self._closing or (requested is not None and requested != self.output_names):
+            return None
+        inputs = request.inputs
+        if len(inputs) != len(self.config.input):  # an optional input left out
+            return None
+        try:
+            runners = tuple(
+                self.router.resolve(p.model_name, p.model_version) for p in self._order_all
+            )
+        except OrchestrionError:
+            return None
+        fusion = self._fusion
+        if fusion is None or not fusion.current(runners):
+            if runners == self._unfusable:
+                return None
+            mbs = self.config.max_batch_size
+            if not all(self.router.fusable(r, mbs) for r in runners):
+                self._unfusable = runners
+                return None
+            composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
+            fusion = self._fusion = Fusion(
+                self.config.name, self._order_all, composing, tuple(self.graph.outputs)
+            )
+        if fusion.slow or not fusion.idle():
+            return None
+        signature = Fusion.signature(inputs)
+        state = fusion.state(signature)
+        if state == "new":
+            await fusion.prepare(signature, inputs)  # in a worker thread
+            if self._closing or fusion.state(signature) != "ready" or not fusion.idle():
+                return None
+        elif state != "ready":
+            return None
+        outputs = fusion.run(inputs, batch_size(self.config.max_batch_size, inputs))
+        if outputs is None:
+            return None
+        await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled
+        return self._response(request, self.output_names, outputs)
 
     def _response(
         self, request: InferRequest, requested: frozenset[str], tensors: Tensors

@@ -53,6 +53,7 @@ from ..protocols import (
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
+from ._fusion import fusable
 from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
 from ._runner import ModelRunner, batch_size
 from ._stats import StatsRecorder
@@ -474,6 +475,15 @@ class ModelRegistry:
         if runner is None or (self.cache is not None and _caches(runner.config)):
             return False  # a cached model goes through the cache actor
         return runner.ready_now(request.inputs)
+
+    def fusable(self, runner: object, max_batch_size: int) -> bool:
+        """Whether an ensemble may trace ``runner`` into its fused call (see `Fusion`): a
+        short jitted model, stateless and unbatched, not cached, not observed or traced."""
+        if self.tracing is not None or self.observer is not None:
+            return False
+        if not fusable(runner, max_batch_size):
+            return False
+        return self.cache is None or not _caches(runner.config)  # type: ignore[attr-defined]
 
     def infer_now(self, request: InferRequest) -> InferResponse:
         """`infer` of an ensemble step whose model `ready_now` said can run at once, in the

@@ -1,0 +1,188 @@
+"""Fusion: an ensemble of short jitted models runs as one compiled call, and a client cannot
+tell, except by the speed: the same outputs, errors and statistics as the scheduler's path,
+which still takes everything fusion cannot do."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import trio
+
+import orchestrion
+from builders import StepRecorder, ensemble, model, step, tensor
+from orchestrion import InferenceError, InferenceTimeoutError
+
+RNG = np.random.default_rng(7)
+
+
+def _models(*, fusion: str = "on", segment: Any = None, dims: tuple[int, ...] = (16,)) -> list:
+    """prepare (x*2+1), then classify (two sums) and segment (-x) on its result."""
+    prepare = model(
+        "prepare",
+        lambda X: {"Y": X * 2 + 1},
+        [tensor("X", dims=dims)],
+        [tensor("Y", dims=dims)],
+    )
+    classify = model(
+        "classify",
+        lambda X: {"C": jnp.stack([X[:8].sum(), X[8:].sum()])},
+        [tensor("X", dims=dims)],
+        [tensor("C", dims=(2,))],
+    )
+    segment_model = model(
+        "segment",
+        segment or (lambda X: {"S": -X}),
+        [tensor("X", dims=dims)],
+        [tensor("S", dims=dims)],
+    )
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN", dims=dims)],
+        [tensor("CLASS", dims=(2,)), tensor("SEG", dims=dims)],
+        [
+            step("prepare", {"X": "IN"}, {"Y": "prepared"}),
+            step("classify", {"X": "prepared"}, {"C": "CLASS"}),
+            step("segment", {"X": "prepared"}, {"S": "SEG"}),
+        ],
+    )
+    config = attrs.evolve(pipe.config, parameters={"fusion": fusion})
+    return [prepare, classify, segment_model, attrs.evolve(pipe, config=config)]
+
+
+def _fused(server: orchestrion.AsyncServer) -> bool:
+    """Whether the ensemble has a fusion with a compiled signature."""
+    fusion = server._registry.resolve("pipe")._fusion
+    return fusion is not None and bool(fusion._ready)
+
+
+def _reference(x: np.ndarray) -> dict[str, np.ndarray]:
+    prepared = x * 2 + 1
+    return {"CLASS": np.stack([prepared[:8].sum(), prepared[8:].sum()]), "SEG": -prepared}
+
+
+async def test_fused_answers_and_statistics_match_the_scheduler(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """30 random inputs through a fused and an unfused server: the same outputs (to the
+    reference), the same counts for the ensemble and each composing model."""
+    caplog.set_level(logging.INFO, logger="orchestrion")
+    inputs = [RNG.standard_normal(16).astype(np.float32) for _ in range(30)]
+    counts = {}
+    for fusion in ("on", "off"):
+        async with orchestrion.open_server(models=_models(fusion=fusion)) as server:
+            for x in inputs:
+                response = await server.infer("pipe", {"IN": x})
+                for name, want in _reference(x).items():
+                    np.testing.assert_allclose(response.outputs[name], want, rtol=1e-5)
+            assert _fused(server) is (fusion == "on")
+            counts[fusion] = {
+                s.name: (
+                    s.inference_count,
+                    s.execution_count,
+                    s.inference_stats.success.count,
+                    s.inference_stats.fail.count,
+                )
+                for s in server.model_statistics()
+            }
+    assert counts["on"] == counts["off"]
+    assert counts["on"]["segment"] == (30, 30, 30, 0)
+    assert any("runs fused" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_subset_of_outputs_runs_only_the_steps_it_needs() -> None:
+    """Asking for CLASS alone takes the scheduler's path, which prunes segment."""
+    async with orchestrion.open_server(models=_models()) as server:
+        x = RNG.standard_normal(16).astype(np.float32)
+        await server.infer("pipe", {"IN": x})
+        response = await server.infer("pipe", {"IN": x}, outputs=["CLASS"])
+        assert set(response.outputs) == {"CLASS"}
+        segment = server.model_statistics("segment")[0]
+    assert segment.inference_count == 1
+
+
+async def test_reloading_a_composing_model_rebuilds_the_fusion() -> None:
+    """After segment is reloaded with another function, fused requests use the new one."""
+    async with orchestrion.open_server(models=_models()) as server:
+        x = RNG.standard_normal(16).astype(np.float32)
+        before = await server.infer("pipe", {"IN": x})
+        np.testing.assert_allclose(before.outputs["SEG"], -(x * 2 + 1), rtol=1e-5)
+        await server.load_model(
+            model("segment", lambda X: {"S": X * 10}, [tensor("X")], [tensor("S")])
+        )
+        after = await server.infer("pipe", {"IN": x})
+        assert _fused(server)
+    np.testing.assert_allclose(after.outputs["SEG"], (x * 2 + 1) * 10, rtol=1e-5)
+
+
+async def test_a_step_output_that_breaks_its_config_fails_as_without_fusion() -> None:
+    """segment returns FP64 where its config says FP32: the same error, naming the step's
+    model, with and without fusion (the fused call refuses that signature)."""
+    errors = {}
+    for fusion in ("on", "off"):
+        models = _models(fusion=fusion, segment=lambda X: {"S": X.astype(jnp.int32)})
+        async with orchestrion.open_server(models=models) as server:
+            with pytest.raises(InferenceError) as caught:
+                await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+            errors[fusion] = str(caught.value)
+            assert not _fused(server)
+    assert errors["on"] == errors["off"]
+    assert "segment" in errors["on"]
+    assert "data type" in errors["on"]
+
+
+async def test_observers_and_tracing_keep_the_scheduler() -> None:
+    """With an observer, each step is still seen: no fusion."""
+    recorder = StepRecorder()
+    async with orchestrion.open_server(models=_models(), observers=[recorder]) as server:
+        await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+        assert not _fused(server)
+    assert len(recorder.requests) == 3
+
+
+async def test_variable_shapes_compile_off_the_loop_under_concurrency() -> None:
+    """A -1 dim: the instances start in worker threads (no fusion) and move inline once
+    their calls prove short; then 40 concurrent requests of four shapes, three of them new,
+    are all answered right, and each shape is compiled once for the fused call, in a worker
+    thread."""
+    async with orchestrion.open_server(models=_models(dims=(-1,))) as server:
+        for _ in range(10):
+            await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+        assert _fused(server)
+        answers: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            x = np.arange(16 + 2 * (i % 4), dtype=np.float32) + i
+            response = await server.infer("pipe", {"IN": x})
+            prepared = x * 2 + 1
+            np.testing.assert_allclose(response.outputs["SEG"], -prepared, rtol=1e-5)
+            answers[i] = response
+
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(one, i)
+        for i in range(4):  # after the compilations: fused
+            await one(i)
+        fusion = server._registry.resolve("pipe")._fusion
+        assert fusion is not None
+        assert len(fusion._ready) == 4
+    assert len(answers) == 40
+
+
+async def test_a_fused_result_past_its_deadline_is_a_timeout() -> None:
+    """The fused call cannot be interrupted (as an inline step); a result that comes after
+    the request's deadline is a timeout, not an answer."""
+    async with orchestrion.open_server(models=_models()) as server:
+        x = np.ones(16, np.float32)
+        await server.infer("pipe", {"IN": x})
+        assert _fused(server)
+        with trio.move_on_at(trio.current_time() - 1) as scope:  # a deadline already passed
+            await server.infer("pipe", {"IN": x})
+        assert scope.cancelled_caught
+        with pytest.raises(InferenceTimeoutError):
+            await server.infer("pipe", {"IN": x}, timeout=1e-9)
+        assert server.model_statistics("pipe")[0].inference_stats.fail.count >= 1
