@@ -610,10 +610,24 @@ class EnsembleRunner:
                 return None
             composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
             fusion = self._fusion = Fusion(
-                self.config.name, self._order_all, composing, tuple(self.graph.outputs)
+                self.config.name,
+                self._order_all,
+                composing,
+                tuple(self.graph.outputs),
+                max_batch=mbs,
             )
         if fusion.slow or not fusion.idle():
             return None
+        if fusion.gathers:
+            gathered = await fusion.gather(
+                inputs,
+                batch_size(self.config.max_batch_size, inputs),
+                lambda: not self._closing and fusion.idle(),
+            )
+            if gathered is None:
+                return None
+            await trio.lowlevel.checkpoint_if_cancelled()  # a late result is cancelled
+            return self._response(request, self.output_names, gathered)
         signature = Fusion.signature(inputs)
         state = fusion.state(signature)
         if state == "new":
@@ -622,7 +636,7 @@ class EnsembleRunner:
                 return None
         elif state != "ready":
             return None
-        outputs = fusion.run(inputs, batch_size(self.config.max_batch_size, inputs))
+        outputs = fusion.run(inputs, [batch_size(self.config.max_batch_size, inputs)])
         if outputs is None:
             return None
         await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled

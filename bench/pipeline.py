@@ -48,6 +48,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,10 +62,17 @@ from orchestrion import (
     ModelConfig,
     TensorConfig,
 )
+from orchestrion.protocols import DynamicBatching
 
 SHAPE = (1, 16)
-VARIANTS = ("orchestrion", "floor", "sync")
-LABELS = {"orchestrion": "(a) orchestrion", "floor": "(b) trio floor", "sync": "(c) sync loop"}
+VARIANTS = ("orchestrion", "floor", "sync", "batching")
+LABELS = {
+    "orchestrion": "(a) orchestrion",
+    "floor": "(b) trio floor",
+    "sync": "(c) sync loop",
+    "batching": "(d) orchestrion, batching",
+}
+BATCH = 64
 
 
 # -- the models: plain Python functions, the same for every variant ---------------------------
@@ -83,6 +91,16 @@ def classify(X: jax.Array) -> dict[str, jax.Array]:
 def segment(X: jax.Array) -> dict[str, jax.Array]:
     """X float32 [1,16] -> SEGMENTATION float32 [1,16], X minus its mean."""
     return {"SEGMENTATION": X - jnp.mean(X)}
+
+
+def classify_rows(X: jax.Array) -> dict[str, jax.Array]:
+    """X float32 [B,16] -> CLASSIFICATION float32 [B,1], each row's sum."""
+    return {"CLASSIFICATION": jnp.sum(X, axis=1, keepdims=True)}
+
+
+def segment_rows(X: jax.Array) -> dict[str, jax.Array]:
+    """X float32 [B,16] -> SEGMENTATION float32 [B,16], each row minus its mean."""
+    return {"SEGMENTATION": X - jnp.mean(X, axis=1, keepdims=True)}
 
 
 def reference(x: np.ndarray) -> dict[str, np.ndarray]:
@@ -153,6 +171,30 @@ def orchestrion_models() -> list[orchestrion.Model]:
             ),
         ),
     ]
+
+
+def batching_models() -> list[orchestrion.Model]:
+    """(d): the same pipeline with ``max_batch_size: 64`` and ``dynamic_batching { }`` on
+    every model (the ensemble batches too): a request is one row ``[1,16]``."""
+    plain = {m.config.name: m for m in orchestrion_models()}
+    functions = {"preprocess": preprocess, "classify": classify_rows, "segment": segment_rows}
+    models = []
+    for name, model in plain.items():
+        config = model.config
+        dims = {"CLASSIFICATION": (1,)}
+        inputs = tuple(attrs.evolve(t, dims=SHAPE[1:]) for t in config.input)
+        outputs = tuple(attrs.evolve(t, dims=dims.get(t.name, SHAPE[1:])) for t in config.output)
+        changes: dict[str, Any] = {"max_batch_size": BATCH, "input": inputs, "output": outputs}
+        if name in functions:
+            changes["dynamic_batching"] = DynamicBatching()
+        models.append(
+            attrs.evolve(
+                model,
+                config=attrs.evolve(config, **changes),
+                execute=functions.get(name, model.execute),
+            )
+        )
+    return models
 
 
 # The floor and the sync loop call these; orchestrion jits the same functions itself.
@@ -322,22 +364,44 @@ def measure_sync(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample
     return Sample(latencies, clock() - start)
 
 
-MEASURE = {"orchestrion": measure_orchestrion, "floor": measure_floor, "sync": measure_sync}
+def measure_batching(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample:
+    async def main() -> Sample:
+        async with orchestrion.open_server(models=batching_models()) as server:
+
+            async def call() -> Any:
+                return await server.infer("pipeline", {"INPUT": x})
+
+            await _drive(call, warmup, concurrency)
+            return await _drive(call, n, concurrency)
+
+    return trio.run(main)
+
+
+MEASURE = {
+    "orchestrion": measure_orchestrion,
+    "floor": measure_floor,
+    "sync": measure_sync,
+    "batching": measure_batching,
+}
 
 
 def verify(x: np.ndarray) -> None:
     """Every variant answers what numpy computes (raises AssertionError otherwise)."""
 
-    async def main() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    async def main() -> tuple[dict[str, np.ndarray], ...]:
         async with orchestrion.open_server(models=orchestrion_models()) as server:
             served = dict((await server.infer("pipeline", {"INPUT": x})).outputs)
+        async with orchestrion.open_server(models=batching_models()) as server:
+            batched = dict((await server.infer("pipeline", {"INPUT": x})).outputs)
+        batched["CLASSIFICATION"] = batched["CLASSIFICATION"].reshape(-1)  # [1,1] -> [1]
         async with open_floor() as infer:
             floor = await infer(x)
-        return served, floor
+        return served, floor, batched
 
-    served, floor = trio.run(main)
+    served, floor, batched = trio.run(main)
     expected = reference(x)
-    for variant, outputs in (("orchestrion", served), ("floor", floor), ("sync", sync_infer(x))):
+    variants = (("orchestrion", served), ("floor", floor), ("sync", sync_infer(x)))
+    for variant, outputs in (*variants, ("batching", batched)):
         assert outputs.keys() == expected.keys(), (variant, sorted(outputs))
         for name, want in expected.items():
             got = outputs[name]
@@ -367,7 +431,7 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ("concurrency", "variant", "req/s", "p50 µs", "p99 µs", "a/b")
+    header = ("concurrency", "variant", "req/s", "p50 µs", "p99 µs", "÷ (b)")
     cells = [header]
     for row in rows:
         ratio = row.get("a_over_b")
@@ -432,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
 
     x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     verify(x)
-    print("outputs of (a), (b) and (c) match numpy")
+    print("outputs of (a), (b), (c) and (d) match numpy")
 
     samples: dict[tuple[int, str], list[Sample]] = {}
     for concurrency in args.concurrency:
@@ -446,9 +510,12 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in args.concurrency:
         a = summarize(samples[concurrency, "orchestrion"])
         b = summarize(samples[concurrency, "floor"])
+        d = summarize(samples[concurrency, "batching"])
         a["a_over_b"] = a["throughput_rps"] / b["throughput_rps"]
+        d["a_over_b"] = d["throughput_rps"] / b["throughput_rps"]
         rows.append({"concurrency": concurrency, "variant": "orchestrion", **a})
         rows.append({"concurrency": concurrency, "variant": "floor", **b})
+        rows.append({"concurrency": concurrency, "variant": "batching", **d})
     # The sync loop ignores concurrency: its samples from every round make one row.
     pooled = [s for c in args.concurrency for s in samples[c, "sync"]]
     rows.append({"concurrency": "-", "variant": "sync", **summarize(pooled)})

@@ -16,6 +16,7 @@ import trio
 import orchestrion
 from builders import StepRecorder, ensemble, model, step, tensor
 from orchestrion import InferenceError, InferenceTimeoutError
+from orchestrion.protocols import DynamicBatching
 
 RNG = np.random.default_rng(7)
 
@@ -186,3 +187,141 @@ async def test_a_fused_result_past_its_deadline_is_a_timeout() -> None:
         with pytest.raises(InferenceTimeoutError):
             await server.infer("pipe", {"IN": x}, timeout=1e-9)
         assert server.model_statistics("pipe")[0].inference_stats.fail.count >= 1
+
+
+def _batching_models(*, fusion: str = "on", delay: int = 0, rows_out: Any = None) -> list:
+    """The pipeline with max_batch_size 8 and dynamic batching on every step: a request is
+    one row (or a few) of 16."""
+    batching = DynamicBatching(max_queue_delay_microseconds=delay)
+
+    def batched(definition: orchestrion.Model) -> orchestrion.Model:
+        config = attrs.evolve(definition.config, max_batch_size=8, dynamic_batching=batching)
+        return attrs.evolve(definition, config=config)
+
+    prepare = model("prepare", lambda X: {"Y": X * 2 + 1}, [tensor("X")], [tensor("Y")])
+    classify = model(
+        "classify",
+        rows_out or (lambda X: {"C": X.sum(axis=1, keepdims=True)}),
+        [tensor("X")],
+        [tensor("C", dims=(1,))],
+    )
+    segment = model("segment", lambda X: {"S": -X}, [tensor("X")], [tensor("S")])
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN")],
+        [tensor("CLASS", dims=(1,)), tensor("SEG")],
+        [
+            step("prepare", {"X": "IN"}, {"Y": "prepared"}),
+            step("classify", {"X": "prepared"}, {"C": "CLASS"}),
+            step("segment", {"X": "prepared"}, {"S": "SEG"}),
+        ],
+        max_batch_size=8,
+    )
+    config = attrs.evolve(pipe.config, parameters={"fusion": fusion})
+    return [
+        batched(prepare),
+        batched(classify),
+        batched(segment),
+        attrs.evolve(pipe, config=config),
+    ]
+
+
+async def _concurrent_rows(server: orchestrion.AsyncServer, count: int) -> dict[int, Any]:
+    """``count`` concurrent requests, request i carrying 1 + i % 3 rows of its own values:
+    each must get back exactly its own rows."""
+    answers: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        x = (np.arange(16, dtype=np.float32) + 100 * i)[None].repeat(1 + i % 3, axis=0)
+        x[:, 0] += np.arange(x.shape[0])
+        response = await server.infer("pipe", {"IN": x})
+        prepared = x * 2 + 1
+        np.testing.assert_allclose(response.outputs["SEG"], -prepared, rtol=1e-6)
+        np.testing.assert_allclose(
+            response.outputs["CLASS"], prepared.sum(axis=1, keepdims=True), rtol=1e-5
+        )
+        answers[i] = response
+
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(one, i)
+    return answers
+
+
+async def test_concurrent_requests_are_gathered_into_fused_batches() -> None:
+    """With dynamic batching (no queue delay) on every step, concurrent requests of 1-3 rows
+    share fused calls of at most 8 rows: each gets exactly its own rows, as without fusion;
+    composing models count one inference per row and fewer executions than requests."""
+    stats = {}
+    for fusion in ("on", "off"):
+        async with orchestrion.open_server(models=_batching_models(fusion=fusion)) as server:
+            await _concurrent_rows(server, 4)  # compiles (fused: every padded size at once)
+            answers = await _concurrent_rows(server, 60)
+            assert len(answers) == 60
+            assert _fused(server) is (fusion == "on")
+            stats[fusion] = server.model_statistics("segment")[0]
+    fused, scheduled = stats["on"], stats["off"]
+    rows = sum(1 + i % 3 for i in range(4)) + sum(1 + i % 3 for i in range(60))
+    assert fused.inference_count == scheduled.inference_count == rows
+    assert fused.inference_stats.success.count == scheduled.inference_stats.success.count
+    assert fused.execution_count < 64 / 2
+
+
+async def test_a_batching_step_that_breaks_rows_fails_as_without_fusion() -> None:
+    """A batching model that returns one row for the whole batch: refused by the fused
+    call's check, so the scheduler's path reports it, as without fusion."""
+    errors = {}
+    for fusion in ("on", "off"):
+        models = _batching_models(
+            fusion=fusion, rows_out=lambda X: {"C": X.sum(axis=(0, 1))[None, None]}
+        )
+        async with orchestrion.open_server(models=models) as server:
+            with pytest.raises(InferenceError) as caught:
+                await server.infer("pipe", {"IN": np.ones((2, 16), np.float32)})
+            errors[fusion] = str(caught.value)
+    assert errors["on"] == errors["off"]
+    assert "classify" in errors["on"]
+
+
+async def test_a_queue_delay_keeps_the_batchers() -> None:
+    """A step with a queue delay asks its batcher to wait for company: no fusion."""
+    async with orchestrion.open_server(models=_batching_models(delay=100)) as server:
+        await _concurrent_rows(server, 8)
+        assert not _fused(server)
+
+
+async def test_cancelled_and_timed_out_requests_in_a_gathered_batch_get_one_outcome() -> None:
+    """A storm of concurrent requests, a third with a timeout that expires at once and a
+    third cancelled by their callers: each caller gets exactly one outcome, the others their
+    own rows, and the server is at rest."""
+    outcomes: dict[int, str] = {}
+    async with orchestrion.open_server(models=_batching_models()) as server:
+        await _concurrent_rows(server, 4)
+
+        async def one(i: int) -> None:
+            x = np.full((1, 16), float(i), np.float32)
+            with trio.CancelScope() as scope:
+                if i % 3 == 1:
+                    scope.cancel()
+                try:
+                    response = await server.infer(
+                        "pipe", {"IN": x}, timeout=1e-6 if i % 3 == 2 else None
+                    )
+                except InferenceTimeoutError:
+                    outcomes[i] = "timed out"
+                    return
+                np.testing.assert_allclose(response.outputs["SEG"], -(x * 2 + 1))
+                outcomes[i] = "answered"
+            if scope.cancelled_caught:
+                outcomes[i] = "cancelled"
+
+        for _ in range(3):
+            async with trio.open_nursery() as nursery:
+                for i in range(48):
+                    nursery.start_soon(one, i)
+        fusion = server._registry.resolve("pipe")._fusion
+        assert fusion is not None
+        assert fusion._waiting == []
+        assert all(s.pending_request_count == 0 for s in server.model_statistics())
+    assert len(outcomes) == 48
+    assert {outcomes[i] for i in range(0, 48, 3)} == {"answered"}
