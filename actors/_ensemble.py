@@ -79,6 +79,9 @@ class Router(Protocol):
 
     def fusable(self, runner: object, max_batch_size: int) -> bool: ...
 
+    @property
+    def generation(self) -> int: ...
+
 
 @attrs.frozen
 class _Plan:
@@ -177,9 +180,11 @@ class EnsembleRunner:
     _plans: dict[frozenset[str], _Plan] = attrs.field(init=False, factory=dict)
     _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
     _fusion: Fusion | None = None
-    _unfusable: tuple[object, ...] = ()
-    """The composing runners last found unfusable (not checked again until one changes)."""
+    _nursery: trio.Nursery | None = None
+    _fusion_generation: int = -1
+    """The registry's generation when `_fusion` was last checked (or found impossible)."""
     _may_fuse: bool = attrs.field(init=False, default=False)
+    _fusion_mode: str = attrs.field(init=False, default="on")
     _order_all: tuple[StepPlan, ...] = attrs.field(init=False, default=())
 
     def __attrs_post_init__(self) -> None:
@@ -204,8 +209,9 @@ class EnsembleRunner:
                 )
             )
         self._idle.set()
+        self._fusion_mode = self.config.parameters.get("fusion", "on")
         self._may_fuse = (
-            self.config.parameters.get("fusion", "on") != "off"
+            self._fusion_mode in ("on", "xla")
             and self.observer is None
             and not self._reshaped_inputs
             and all(t.reshape is None for t in self.config.output)
@@ -239,6 +245,7 @@ class EnsembleRunner:
         async with trio.open_nursery() as nursery:
             for step in self._steps:
                 await nursery.start(self._serve_step, step)
+            self._nursery = nursery  # fused calls compile new signatures in its tasks
             task_status.started()
 
     @property
@@ -554,16 +561,27 @@ class EnsembleRunner:
                 client asked for by name).
             ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
-        if self._may_fuse:
-            response = await self._fused(request)
-            if response is not None:
-                return response
+        self._active += 1  # an unload waits for this request, fused or not
+        if self._active == 1:
+            self._idle = trio.Event()
+        try:
+            if self._may_fuse:
+                response = await self._fused(request)
+                if response is not None:
+                    return response
+            return await self._scheduled(request)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+                if self._closing:
+                    self._close_channels()
+
+    async def _scheduled(self, request: InferRequest) -> InferResponse:
+        """`infer` through the step actors."""
         requested, plan, tensors = self._begin(request)
         run = _Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
-        self._active += 1
-        if self._active == 1:
-            self._idle = trio.Event()
         try:
             # Hold one count ourselves so the run cannot finish while we are still seeding.
             run.outstanding += 1
@@ -576,12 +594,6 @@ class EnsembleRunner:
         except BaseException:
             run.abandon()
             raise
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
-                if self._closing:
-                    self._close_channels()
         if run.error is not None:
             raise run.error
         return self._response(request, requested, run.tensors)
@@ -594,53 +606,78 @@ class EnsembleRunner:
         inputs = request.inputs
         if len(inputs) != len(self.config.input):  # an optional input left out
             return None
+        fusion = self._current_fusion()
+        if fusion is None or fusion.slow or not fusion.idle():
+            return None
+        rows = batch_size(self.config.max_batch_size, inputs)
+        if fusion.gathers:
+            gathered = await fusion.gather(
+                inputs, rows, lambda: self._still_fusing(fusion), self._compile_later
+            )
+            if gathered is None:
+                return None
+            await trio.lowlevel.checkpoint_if_cancelled()  # a late result is cancelled
+            return self._response(request, self.output_names, gathered)
+        signature = None
+        if fusion.mode == "xla":
+            signature = Fusion.signature(inputs)
+            state = fusion.state(signature)
+            if state == "new":
+                self._compile_later(signature, inputs)
+            if state != "ready":
+                return None
+        outputs = fusion.run(signature, inputs, [rows])
+        if outputs is None:
+            return None
+        await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled
+        return self._response(request, self.output_names, outputs)
+
+    def _current_fusion(self) -> Fusion | None:
+        """The fusion for the composing models loaded now (built when they changed), or None
+        when they cannot be fused."""
+        generation = self.router.generation
+        if generation == self._fusion_generation:
+            return self._fusion  # nothing loaded or unloaded since it was checked
         try:
             runners = tuple(
                 self.router.resolve(p.model_name, p.model_version) for p in self._order_all
             )
         except OrchestrionError:
             return None
+        self._fusion_generation = generation
         fusion = self._fusion
-        if fusion is None or not fusion.current(runners):
-            if runners == self._unfusable:
-                return None
-            mbs = self.config.max_batch_size
-            if not all(self.router.fusable(r, mbs) for r in runners):
-                self._unfusable = runners
-                return None
-            composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
-            fusion = self._fusion = Fusion(
-                self.config.name,
-                self._order_all,
-                composing,
-                tuple(self.graph.outputs),
-                max_batch=mbs,
-            )
-        if fusion.slow or not fusion.idle():
+        if fusion is not None and fusion.current(runners):
+            return fusion
+        mbs = self.config.max_batch_size
+        if not all(self.router.fusable(r, mbs) for r in runners):
+            self._fusion = None
             return None
-        if fusion.gathers:
-            gathered = await fusion.gather(
-                inputs,
-                batch_size(self.config.max_batch_size, inputs),
-                lambda: not self._closing and fusion.idle(),
-            )
-            if gathered is None:
-                return None
-            await trio.lowlevel.checkpoint_if_cancelled()  # a late result is cancelled
-            return self._response(request, self.output_names, gathered)
-        signature = Fusion.signature(inputs)
-        state = fusion.state(signature)
-        if state == "new":
-            await fusion.prepare(signature, inputs)  # in a worker thread
-            if self._closing or fusion.state(signature) != "ready" or not fusion.idle():
-                return None
-        elif state != "ready":
-            return None
-        outputs = fusion.run(inputs, [batch_size(self.config.max_batch_size, inputs)])
-        if outputs is None:
-            return None
-        await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled
-        return self._response(request, self.output_names, outputs)
+        composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
+        self._fusion = Fusion(
+            self.config.name,
+            self._order_all,
+            composing,
+            tuple(self.graph.outputs),
+            mode=self._fusion_mode,
+            max_batch=mbs,
+        )
+        return self._fusion
+
+    def _still_fusing(self, fusion: Fusion) -> bool:
+        """After a wait: not closing, no composing model reloaded, nothing queued."""
+        return not self._closing and self._current_fusion() is fusion and fusion.idle()
+
+    def _compile_later(self, signature: Any, inputs: Tensors) -> None:
+        """Prepare a new signature of the current fusion in a task of the ensemble's own;
+        the requests meanwhile take the scheduler's path."""
+        fusion, nursery = self._fusion, self._nursery
+        if fusion is None or nursery is None or fusion.state(signature) != "new":
+            return
+        fusion.compiling(signature)
+        try:
+            nursery.start_soon(fusion.prepare, signature, dict(inputs))
+        except RuntimeError:  # the ensemble is shutting down: no more compilations
+            fusion._compiling.discard(signature)
 
     def _response(
         self, request: InferRequest, requested: frozenset[str], tensors: Tensors

@@ -1,23 +1,37 @@
-"""Fusion: a whole ensemble of short jitted models as one compiled call.
+"""Fusion: an ensemble of short jitted models, called step after step without the scheduler.
 
-How this works. When every step of an ensemble is a jitted, stateless, unbatched model whose
-instance runs inline, nothing between the steps needs the scheduler: no queue, no other
-consumer of the intermediate tensors, no thread. `Fusion` then traces the steps' own
-``execute`` functions, wired as the ensemble wires them, into one ``jax.jit`` function, and
-a request runs as one call of it instead of one call (and one trip through the registry)
-per step: XLA compiles the whole graph, and the intermediate tensors never leave it.
+How this works. When every step of an ensemble is a jitted, stateless model whose instance
+runs inline, nothing between the steps needs the scheduler: no queue, no other consumer of
+the intermediate tensors, no thread. `Fusion` then runs a request as a plain loop over the
+steps, in the order the ensemble wires them: each step's own compiled function (the one the
+scheduler would call, with the same instance's weights), its outputs checked against its
+config, then the next step. A request costs one admission and one response instead of one
+trip through the registry, the step actors and the model's instance per step.
 
-What stays the same for the client: the outputs, their checks (each step's outputs are
-checked against its model's config once per input signature, from the abstract shapes
-JAX computes), timeouts and cancellation (the call is as uninterruptible as an inline step,
-and a late result is cancelled), and the statistics (each composing model counts the
-request, its execution and an equal share of the call's time). Anything unusual takes the
-scheduler's path instead, which behaves exactly as before: a subset of outputs requested,
-an omitted optional input, an observer or tracing configured, a composing model reloaded
-(the fusion is rebuilt), busy or running in a thread, a new input signature (compiled in a
-worker thread meanwhile), a call that raised (the scheduler reruns it and names the step
-that failed), or calls that turn slow (above the inline threshold three times in a row).
-``parameters { key: "fusion" value: { string_value: "off" } }`` on the ensemble turns it off.
+Modes (``parameters { key: "fusion" value: { string_value: ... } }`` on the ensemble):
+
+- ``"on"`` (the default): the steps' own executables, one after another. The numbers are
+  the scheduler's, bit for bit; a step needs its input shapes compiled already (a new
+  shape takes the scheduler's path, which compiles it in a worker thread).
+- ``"xla"``: the steps' ``execute`` functions traced into one ``jax.jit`` function: one
+  dispatch per request, and XLA optimises across steps, so results may differ from the
+  step-by-step ones in the last bits (an FP16 intermediate can be kept at a higher
+  precision). Each step's abstract inputs and outputs are checked against its config once
+  per input signature; a new signature is compiled in a task of the ensemble's own while
+  its requests take the scheduler's path.
+- ``"off"``: the scheduler for every request.
+
+What stays the same for the client: the outputs, the errors (a request whose step fails or
+returns outputs that break its config is run again by the scheduler, which reports it,
+naming the step), timeouts and cancellation (a fused request is as uninterruptible as an
+inline step, and a late result is cancelled), and the statistics (each composing model
+counts its requests and executions). Anything unusual takes the scheduler's path instead:
+a subset of the outputs requested, an omitted optional input, an observer or tracing
+configured, a composing model reloaded (the fusion is rebuilt), busy, queued or in a worker
+thread, or calls that turn slow (above the inline threshold three times in a row).
+
+When every step batches dynamically (no queue delay, priorities or queue policy), the
+requests that arrive in one scheduling pass are gathered into one fused call (`gather`).
 """
 
 from __future__ import annotations
@@ -93,24 +107,34 @@ class _Waiting:
     done: trio.Event = attrs.Factory(trio.Event)
     outputs: dict[str, np.ndarray[Any, Any]] | None = None
     """Its rows of the outputs; None once done: it takes the scheduler's path."""
+    abandoned: bool = False
+    """Its caller went away (cancelled) before the batch was taken."""
 
 
-def _abstract_problem(config: ModelConfig, outputs: Mapping[str, Any]) -> str | None:
-    """Why the abstract outputs (shapes and dtypes) of one step break its model's config."""
-    if not isinstance(outputs, Mapping):
+def _abstract_problem(config: ModelConfig, tensors: Mapping[str, Any], kind: str) -> str | None:
+    """Why the abstract ``kind`` tensors (shapes and dtypes) of one step break its model's
+    config ("input": also every required input present)."""
+    if not isinstance(tensors, Mapping):
         return "execute does not return a dict"
-    for name, value in outputs.items():
-        tensor = config.output_named(name)
-        if tensor is None or tensor.reshape is not None:
-            return f"output {name!r} is not a plain declared output"
-        if np.dtype(value.dtype) != tensor.data_type.numpy_dtype:
-            return f"output {name!r} has data type {value.dtype}"
-        want = expected_shape(tensor, config.max_batch_size)
+    declared = config.input if kind == "input" else config.output
+    if kind == "input":
+        for tensor in declared:
+            if tensor.name not in tensors and not tensor.optional:
+                return f"input {tensor.name!r} is missing"
+    for name, value in tensors.items():
+        found = next((t for t in declared if t.name == name), None)
+        if found is None or found.reshape is not None:
+            return f"{kind} {name!r} is not a plain declared {kind}"
+        if np.dtype(value.dtype) != found.data_type.numpy_dtype:
+            return f"{kind} {name!r} has data type {value.dtype}"
+        want = expected_shape(found, config.max_batch_size)
         shape = tuple(value.shape)
         if len(shape) != len(want) or any(
             w not in (-1, g) for w, g in zip(want, shape, strict=True)
         ):
-            return f"output {name!r} has shape {list(shape)}"
+            return f"{kind} {name!r} has shape {list(shape)}"
+        if config.max_batch_size > 0 and not 1 <= shape[0] <= config.max_batch_size:
+            return f"{kind} {name!r} has a batch of {shape[0]}"
     return None
 
 
@@ -122,6 +146,8 @@ class Fusion:
     order: tuple[StepPlan, ...]
     runners: tuple[ModelRunner, ...]
     outputs: tuple[str, ...]
+    mode: str = "on"
+    """"on": the steps' own executables one after another; "xla": one traced function."""
     _call: Callable[..., Any] = attrs.field(init=False)
     _params: tuple[Any, ...] = attrs.field(init=False)
     _ready: set[Signature] = attrs.field(init=False, factory=set)
@@ -130,6 +156,9 @@ class Fusion:
     """Signatures that cannot be fused (a step's outputs break its config, or tracing
     failed): the scheduler runs them."""
     _compiling: set[Signature] = attrs.field(init=False, factory=set)
+    _ran: dict[Signature, tuple[ModelRunner, ...]] = attrs.field(init=False, factory=dict)
+    """For each ready signature, the steps that run (a step whose input a producer leaves
+    out does not, as on the scheduler's path): they count the request."""
     _slow_streak: int = 0
     slow: bool = False
     """The fused call took longer than an inline step may, three times in a row."""
@@ -141,8 +170,18 @@ class Fusion:
     _waiting: list[_Waiting] = attrs.field(init=False, factory=list)
     _collecting: bool = attrs.field(init=False, default=False)
 
+    _pads: tuple[int, ...] = attrs.field(init=False, default=())
+    """Batch sizes every step has compiled (mode "on" pads a gathered batch to one)."""
+    _announced: bool = attrs.field(init=False, default=False)
+    _trusted: dict[tuple[Any, ...], frozenset[Any]] = attrs.field(init=False, factory=dict)
+    """Mode "on": for input shapes run before, the instances whose compiled shapes and
+    outputs were checked for them."""
+
     def __attrs_post_init__(self) -> None:
         self.gathers = self.max_batch > 0 and all(r._batching is not None for r in self.runners)
+        if self.gathers:
+            sizes = [set(r._sizes or (self.max_batch,)) for r in self.runners]
+            self._pads = tuple(sorted(set.intersection(*sizes)))
         self._params = tuple(
             r.instances[0].params if r._with_params else None for r in self.runners
         )
@@ -155,14 +194,21 @@ class Fusion:
         )
 
     def _steps(self, params: tuple[Any, ...], inputs: Mapping[str, Any]) -> list[Any]:
+        """Trace the steps in order (mode "xla"): each step's (arguments, outputs), then
+        the ensemble's outputs. As on the scheduler's path, a step runs only when every
+        tensor it takes has been produced."""
         board = dict(inputs)
-        produced = []
+        produced: list[Any] = []
         for plan, runner, own in zip(self.order, self.runners, params, strict=True):
-            args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
+            if any(tensor not in board for _, tensor in plan.inputs):
+                produced.append(({}, {}))  # a producer left an input out: the step waits forever
+                continue
+            args = {name: board[tensor] for name, tensor in plan.inputs}
             execute = runner.model.execute
             assert execute is not None
             result = execute(own, **args) if runner._with_params else execute(**args)
-            produced.append(result)
+            result = dict(result)
+            produced.append((args, result))
             for name, tensor in plan.outputs:
                 if name in result:
                     board[tensor] = result[name]
@@ -178,18 +224,24 @@ class Fusion:
         return tuple(sorted((n, v.shape, v.dtype.str) for n, v in inputs.items()))
 
     def state(self, signature: Signature) -> str:
-        """ "ready", "refused", "compiling", or "new"."""
-        if signature in self._ready:
+        """ "ready", "refused", "compiling", or "new" (mode "on": always "ready")."""
+        if self.mode == "on" or signature in self._ready:
             return "ready"
         if signature in self._refused:
             return "refused"
         return "compiling" if signature in self._compiling else "new"
 
+    def compiling(self, signature: Signature) -> None:
+        """Mark ``signature`` as being prepared (before `prepare` is started)."""
+        self._compiling.add(signature)
+
     async def prepare(self, signature: Signature, inputs: Tensors) -> None:
-        """Check every step's abstract outputs for these inputs and compile, in a worker
-        thread; the signature is then ready, or refused. A gathering fusion compiles every
-        batch size it pads to (powers of two up to max_batch) for these per-row shapes at
-        once, so that later batches never wait for a compilation."""
+        """Check every step's abstract inputs and outputs for these inputs and compile, in a
+        worker thread; the signature is then ready, or refused. A gathering fusion compiles
+        every batch size it pads to (powers of two up to max_batch) for these per-row shapes
+        at once, so that later batches never wait for a compilation. Requests do not wait
+        for this: the ensemble runs it in a task of its own while they take the scheduler's
+        path."""
         self._compiling.add(signature)
         try:
             ok = await trio.to_thread.run_sync(self._check_and_compile, dict(inputs))
@@ -218,32 +270,45 @@ class Fusion:
     def _check_and_compile(self, inputs: dict[str, Any]) -> bool:
         rows = next(iter(inputs.values())).shape[0] if self.max_batch else None
         try:
-            abstract = jax.eval_shape(self._steps, self._params, inputs)
-            for runner, outputs in zip(self.runners, abstract, strict=False):
-                if _abstract_problem(runner.model.config, outputs) is not None:
+            *steps, _ = jax.eval_shape(self._steps, self._params, inputs)
+            ran = []
+            for runner, (args, outputs) in zip(self.runners, steps, strict=True):
+                ran.append(runner if args else None)
+                config = runner.model.config
+                if args and _abstract_problem(config, args, "input") is not None:
+                    return False  # the scheduler refuses the step's request, and says why
+                if _abstract_problem(config, outputs, "output") is not None:
                     return False
                 if rows is not None and any(o.shape[0] != rows for o in outputs.values()):
                     return False  # a batching model returns one row per input row
             jax.block_until_ready(self._call(self._params, inputs))  # type: ignore[no-untyped-call]
         except Exception:  # whatever tracing raised: the scheduler runs (and reports) it
             return False
+        self._ran[self.signature(inputs)] = tuple(r for r in ran if r is not None)
         return True
 
-    def run(self, inputs: Tensors, rows: Sequence[int]) -> dict[str, np.ndarray[Any, Any]] | None:
-        """The ensemble's outputs for ``inputs`` (a ready signature), or None when the call
-        raised (the scheduler then runs the requests and reports the failing step).
-        ``rows``: the rows of each request in ``inputs`` (one request: its batch size)."""
+    def run(
+        self, signature: Signature | None, inputs: Tensors, rows: Sequence[int]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        """The ensemble's outputs for ``inputs`` (mode "xla": a ready signature), or None:
+        the scheduler runs the requests (a step raised, broke its config, or has not
+        compiled these shapes). ``rows``: the rows of each request in ``inputs`` (one
+        request: its batch size)."""
+        if self.mode == "on":
+            return self._run_steps(inputs, rows)
+        assert signature is not None
         started = time.perf_counter_ns()
         try:
             raw = self._call(self._params, inputs)
             outputs = {name: np.asarray(value) for name, value in raw.items()}
         except Exception:
-            self._refused.add(self.signature(inputs))
-            self._ready.discard(self.signature(inputs))
+            self._refused.add(signature)
+            self._ready.discard(signature)
             return None
         elapsed = time.perf_counter_ns() - started
-        share = elapsed // len(self.runners)
-        for runner in self.runners:
+        ran = self._ran[signature]
+        share = elapsed // max(len(ran), 1)
+        for runner in ran:
             for count in rows:
                 runner.stats.request_finished(None, share, count)
             runner.stats.execution_finished(0, 0, share, 0, requests=len(rows))
@@ -253,6 +318,67 @@ class Fusion:
         else:
             self._slow_streak = 0
         return outputs
+
+    def _run_steps(
+        self, inputs: Tensors, rows: Sequence[int]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        # Shapes decide everything a step checks (jitted functions: the output shapes and
+        # types follow from the input shapes), so the checks run once per input shapes and
+        # instances; later requests of the same shapes skip them.
+        key = tuple(v.shape for v in inputs.values())
+        trusted = self._trusted.get(key)
+        board = dict(inputs)
+        done = []
+        for plan, runner in zip(self.order, self.runners, strict=True):
+            if any(tensor not in board for _, tensor in plan.inputs):
+                continue  # a producer left this step's input out: it never runs
+            args = {name: board[tensor] for name, tensor in plan.inputs}
+            instances = runner.instances
+            if len(instances) == 1:
+                instance = instances[0]
+                if not instance.inline or instance.busy:
+                    return None
+            else:
+                found = next((i for i in instances if i.inline and not i.busy), None)
+                if found is None:
+                    return None
+                instance = found
+            checking = trusted is None or instance not in trusted
+            if checking and runner.signature(args) not in instance.compiled:
+                return None  # the scheduler compiles new shapes, in a worker thread
+            started = time.perf_counter_ns()
+            try:
+                raw = runner._call(instance, args)
+                outputs: Mapping[str, Any] = {k: np.asarray(v) for k, v in raw.items()}
+                if checking:
+                    outputs = runner.checker.outputs(outputs)
+            except Exception:  # the scheduler runs it again, and reports it
+                return None
+            if checking and runner._batching is not None:  # as its batcher: a row per row
+                batch = next(iter(args.values())).shape[0]
+                if any(v.ndim == 0 or v.shape[0] != batch for v in outputs.values()):
+                    return None
+            done.append((runner, instance, time.perf_counter_ns() - started))
+            for name, tensor in plan.outputs:
+                value = outputs.get(name)
+                if value is not None:
+                    board[tensor] = value
+        if trusted is None:
+            self._trusted[key] = frozenset(instance for _, instance, _ in done)
+        elif any(instance not in trusted for _, instance, _ in done):
+            self._trusted[key] = trusted | {instance for _, instance, _ in done}
+        requests = len(rows)
+        for runner, instance, elapsed in done:
+            runner._learn(instance, elapsed)
+            stats = runner.stats
+            for count in rows:
+                stats.request_finished(None, elapsed, count)
+            stats.execution_finished(0, 0, elapsed, 0, requests=requests)
+        if not self._announced:
+            self._announced = True
+            steps = ", ".join(f"'{r.model.name}'" for r in self.runners)
+            _log.info("ensemble '%s' runs fused: its steps (%s) in turn", self.name, steps)
+        return {name: board[name] for name in self.outputs if name in board}
 
     def idle(self) -> bool:
         """Whether every composing model has an idle inline instance and nothing queued."""
@@ -264,7 +390,11 @@ class Fusion:
         return True
 
     async def gather(
-        self, inputs: Tensors, rows: int, usable: Callable[[], bool]
+        self,
+        inputs: Tensors,
+        rows: int,
+        usable: Callable[[], bool],
+        compile_later: Callable[[Signature, Tensors], None],
     ) -> dict[str, np.ndarray[Any, Any]] | None:
         """This request's rows of a fused call shared with the requests that arrive in the
         same scheduling pass (as a batcher with no queue delay would gather them); None: take
@@ -273,12 +403,19 @@ class Fusion:
         The first request to arrive collects: it lets the others of this pass arrive (one
         checkpoint, shielded so that the ones waiting on it are never left behind), runs
         their batches, at most ``max_batch`` rows each, and hands each its rows. ``usable``
-        says, at that moment, whether fusing is still right (nothing queued, not closing).
+        says, at that moment, whether fusing is still right (nothing queued, not closing, no
+        step reloaded); ``compile_later`` starts preparing a new signature (its requests take
+        the scheduler's path meanwhile). A request cancelled while it waits drops out.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()  # past its deadline: never runs
         me = _Waiting(inputs, rows)
         self._waiting.append(me)
         if self._collecting:
-            await me.done.wait()
+            try:
+                await me.done.wait()
+            except BaseException:
+                me.abandoned = True
+                raise
             return me.outputs
         self._collecting = True
         try:
@@ -289,8 +426,8 @@ class Fusion:
         taken, self._waiting = self._waiting, []
         try:
             if usable():
-                for batch in self._batches(taken):
-                    await self._run_batch(batch)
+                for batch in self._batches([w for w in taken if not w.abandoned]):
+                    self._run_batch(batch, compile_later)
         finally:
             for waiting in taken:  # the ones given no outputs take the scheduler's path
                 waiting.done.set()
@@ -307,24 +444,30 @@ class Fusion:
             chunks[-1].append(waiting)
         return [chunk for chunks in groups.values() for chunk in chunks]
 
-    async def _run_batch(self, batch: list[_Waiting]) -> None:
+    def _run_batch(
+        self, batch: list[_Waiting], compile_later: Callable[[Signature, Tensors], None]
+    ) -> None:
         rows = [w.rows for w in batch]
         total = sum(rows)
-        pad = _bucket(total, self.max_batch) - total
+        if self.mode == "on":  # a size every step compiled at load, or none
+            size = next((s for s in self._pads if s >= total), total)
+        else:
+            size = _bucket(total, self.max_batch)
+        pad = size - total
         inputs = {}
         for name in batch[0].inputs:
             parts = [w.inputs[name] for w in batch]
             if pad:  # copies of the last row: computed, then dropped
                 parts.append(np.repeat(parts[-1][-1:], pad, axis=0))
             inputs[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        signature = self.signature(inputs)
-        state = self.state(signature)
-        if state == "new":
-            await self.prepare(signature, inputs)
+        signature = self.signature(inputs) if self.mode == "xla" else None
+        if signature is not None:
             state = self.state(signature)
-        if state != "ready":
-            return
-        outputs = self.run(inputs, rows)
+            if state == "new":
+                compile_later(signature, inputs)
+            if state != "ready":
+                return
+        outputs = self.run(signature, inputs, rows)
         if outputs is None:
             return
         offset = 0

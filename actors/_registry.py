@@ -148,6 +148,8 @@ class ModelRegistry:
     _closing: bool = False
     _draining: list[EnsembleRunner] = attrs.field(factory=list)
     _streaming: dict[str, bool] = attrs.field(factory=dict)
+    generation: int = 0
+    """Counts the changes to the set of loaded runners (a load, a reload, an unload)."""
     """`decoupled` answers, cleared whenever the set of loaded models changes."""
     """Unloaded (or replaced) ensembles whose running requests have not all finished."""
 
@@ -594,6 +596,7 @@ class ModelRegistry:
                 if replaced is not None:
                     _keep_counting(replaced.stats, fresh)
             self._runners[name] = runners
+        self.generation += 1
         self._streaming.clear()
         await self._close_runners(old)
 
@@ -677,6 +680,7 @@ class ModelRegistry:
             self._streaming.clear()
             for victim in [*users, name]:  # outermost first: inner ones still serve them
                 runners = self._runners.pop(victim, {})
+                self.generation += 1
                 await self._close_runners({victim: runners})
                 for draining in [r for r in self._draining if r.config.name == victim]:
                     await draining.close()  # left draining by an earlier, cancelled unload
@@ -693,6 +697,7 @@ class ModelRegistry:
             for name in self._outermost_first(ensembles, self._uses()):
                 await self._close_runners({name: self._runners[name]})
             models, self._runners = self._runners, {}
+            self.generation += 1
             await self._close_runners({n: r for n, r in models.items() if n not in ensembles})
 
     def abort(self) -> None:
@@ -704,6 +709,7 @@ class ModelRegistry:
                 if isinstance(runner, ModelRunner):
                     runner.close()
         self._runners = {}
+        self.generation += 1
 
     def _is_ensemble(self, name: str) -> bool:
         versions = self._runners.get(name) or {}
