@@ -21,6 +21,7 @@ from types import FrameType
 
 import trio
 
+from ._fusion import Fusion
 from ._runner import ModelRunner
 
 _log = logging.getLogger("orchestrion")
@@ -31,6 +32,7 @@ TICK = 0.1
 """Seconds between heartbeats, and between the watchdog's checks."""
 
 _INLINE_CODE = ModelRunner._execute_sync.__code__
+_FUSED_CODE = Fusion._run_steps.__code__
 _HINT = (
     'A model that can run this long belongs in a worker thread: parameters { key: "execution" '
     'value: { string_value: "thread" } }'
@@ -46,8 +48,9 @@ def describe_holder(frame: FrameType | None) -> str:
     where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
     outer: FrameType | None = frame
     while outer is not None:
-        if outer.f_code is _INLINE_CODE:
-            runner = outer.f_locals.get("self")
+        if outer.f_code is _INLINE_CODE or outer.f_code is _FUSED_CODE:
+            # The runner executing: the method's own, or the fused step loop's current one.
+            runner = outer.f_locals.get("self" if outer.f_code is _INLINE_CODE else "runner")
             if isinstance(runner, ModelRunner):
                 model = runner.model
                 return (

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 import trio
@@ -576,3 +577,46 @@ def _pending_served(served: Served, model: str) -> float:
             if line.startswith(f'nv_inference_pending_request_count{{model="{model}"'):
                 return float(line.split()[-1])
     return 0.0
+
+
+async def test_a_step_hanging_inside_a_fused_ensemble_is_named_by_the_watchdog(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fused ensemble calls its steps without the scheduler: a step that holds the event
+    loop there is still named by the watchdog."""
+    caplog.set_level(logging.INFO, logger="orchestrion")
+    hold = [False]
+
+    def maybe_hang() -> None:  # runs on the host while the jitted step executes
+        if hold[0]:
+            time.sleep(1.3)  # stands for a hang that ends
+
+    def held(X: Any) -> dict[str, Any]:
+        jax.debug.callback(maybe_hang)
+        return {"Y": X + 1}
+
+    first = model("first", lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")])
+    second = model("second", held, [tensor("X")], [tensor("Y")])
+    pipe = ensemble(
+        "fused",
+        [tensor("IN")],
+        [tensor("OUT")],
+        [step("first", {"X": "IN"}, {"Y": "mid"}), step("second", {"X": "mid"}, {"Y": "OUT"})],
+    )
+    async with open_server(models=[first, second, pipe]) as server:
+        await server.infer("fused", {"IN": X})
+        fusion = server._registry.resolve("fused")._fusion
+        assert fusion is not None
+        assert fusion._announced
+        hold[0] = True
+        response = await server.infer("fused", {"IN": X})
+        np.testing.assert_array_equal(response.outputs["OUT"], X * 2 + 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "model 'second' (version 1) running inline" in errors[0]
+    record(
+        "Faults",
+        "A step that holds the event loop inside a fused ensemble (1.3 s, a host callback)",
+        "1 request",
+        "the watchdog named the step's model; the request was answered right",
+    )
