@@ -185,6 +185,8 @@ class EnsembleRunner:
     """The registry's generation when `_fusion` was last checked (or found impossible)."""
     _may_fuse: bool = attrs.field(init=False, default=False)
     _fusion_mode: str = attrs.field(init=False, default="on")
+    _limited: bool = attrs.field(init=False, default=False)
+    """The ensemble has a max_inflight_requests."""
     _order_all: tuple[StepPlan, ...] = attrs.field(init=False, default=())
 
     def __attrs_post_init__(self) -> None:
@@ -210,6 +212,7 @@ class EnsembleRunner:
             )
         self._idle.set()
         self._fusion_mode = self.config.parameters.get("fusion", "on")
+        self._limited = bool(limit)
         self._may_fuse = (
             self._fusion_mode in ("on", "xla")
             and self.observer is None
@@ -561,6 +564,8 @@ class EnsembleRunner:
                 client asked for by name).
             ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
+        if self._closing:
+            raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
         self._active += 1  # an unload waits for this request, fused or not
         if self._active == 1:
             self._idle = trio.Event()
@@ -579,7 +584,7 @@ class EnsembleRunner:
 
     async def _scheduled(self, request: InferRequest) -> InferResponse:
         """`infer` through the step actors."""
-        requested, plan, tensors = self._begin(request)
+        requested, plan, tensors = self._begin(request, admitted=True)
         run = _Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
         try:
@@ -601,13 +606,13 @@ class EnsembleRunner:
     async def _fused(self, request: InferRequest) -> InferResponse | None:
         """The response of the fused call (see `Fusion`), or None: the scheduler runs it."""
         requested = request.requested_outputs
-        if self._closing or (requested is not None and requested != self.output_names):
+        if requested is not None and requested != self.output_names:
             return None
         inputs = request.inputs
         if len(inputs) != len(self.config.input):  # an optional input left out
             return None
         fusion = self._current_fusion()
-        if fusion is None or fusion.slow or not fusion.idle():
+        if fusion is None or fusion.slow or not fusion.idle() or not self._steps_free():
             return None
         rows = batch_size(self.config.max_batch_size, inputs)
         if fusion.gathers:
@@ -660,12 +665,22 @@ class EnsembleRunner:
             tuple(self.graph.outputs),
             mode=self._fusion_mode,
             max_batch=mbs,
+            max_requests=self._steps[0].capacity if self._limited else 0,
         )
         return self._fusion
 
     def _still_fusing(self, fusion: Fusion) -> bool:
-        """After a wait: not closing, no composing model reloaded, nothing queued."""
-        return not self._closing and self._current_fusion() is fusion and fusion.idle()
+        """After a wait: no composing model reloaded, nothing queued, no step busy beyond
+        what max_inflight_requests allows. (An unload that began meanwhile still lets this
+        admitted request finish, fused or not.)"""
+        return self._current_fusion() is fusion and fusion.idle() and self._steps_free()
+
+    def _steps_free(self) -> bool:
+        """With max_inflight_requests, a fused request must not run while the scheduler has
+        requests in the steps (it would run past their limit)."""
+        if not self._limited:
+            return True
+        return all(s.in_flight == 0 and s.queued == 0 for s in self._steps)
 
     def _compile_later(self, signature: Any, inputs: Tensors) -> None:
         """Prepare a new signature of the current fusion in a task of the ensemble's own;
@@ -731,14 +746,16 @@ class EnsembleRunner:
             async for produced in runs:
                 yield self._response(request, requested, produced)
 
-    def _begin(self, request: InferRequest) -> tuple[frozenset[str], _Plan, dict[str, Any]]:
+    def _begin(
+        self, request: InferRequest, *, admitted: bool = False
+    ) -> tuple[frozenset[str], _Plan, dict[str, Any]]:
         """What `infer` and `stream` start from: the outputs wanted, the plan of steps for
         them, and the ensemble's input tensors (reshaped as the ensemble sees them).
 
         Raises:
             ServerClosedError: the ensemble is being unloaded.
         """
-        if self._closing:
+        if self._closing and not admitted:  # admitted: counted before the unload began
             raise ServerClosedError(f"ensemble '{self.config.name}' is being unloaded")
         requested = request.requested_outputs or frozenset(self.graph.outputs)
         plan = self._plans.get(requested) or self._make_plan(requested)

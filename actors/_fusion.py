@@ -68,6 +68,7 @@ def fusable(runner: object, max_batch_size: int) -> bool:
         and _batching_fusable(runner)
         and not runner._takes_request
         and runner._plain_arguments
+        and all(t.reshape is None for t in config.output)
         and runner.observer is None
         and runner.tracing is None
         and config.max_batch_size == max_batch_size
@@ -165,6 +166,9 @@ class Fusion:
 
     max_batch: int = 0
     """The ensemble's max_batch_size (0: no batch dimension)."""
+    max_requests: int = 0
+    """The ensemble's max_inflight_requests: the most requests one gathered call may hold
+    (0: no limit), as the steps' slots would let through."""
     gathers: bool = attrs.field(init=False, default=False)
     """Every step batches dynamically: concurrent requests are gathered into one call."""
     _waiting: list[_Waiting] = attrs.field(init=False, factory=list)
@@ -325,7 +329,7 @@ class Fusion:
         # Shapes decide everything a step checks (jitted functions: the output shapes and
         # types follow from the input shapes), so the checks run once per input shapes and
         # instances; later requests of the same shapes skip them.
-        key = tuple(v.shape for v in inputs.values())
+        key = tuple((name, v.shape) for name, v in inputs.items())
         trusted = self._trusted.get(key)
         board = dict(inputs)
         done = []
@@ -425,21 +429,29 @@ class Fusion:
             self._collecting = False
         taken, self._waiting = self._waiting, []
         try:
-            if usable():
-                for batch in self._batches([w for w in taken if not w.abandoned]):
-                    self._run_batch(batch, compile_later)
+            try:  # the collector's own cancellation (during the pass) drops it out too
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                me.abandoned = True
+                raise
+            finally:  # the others are served either way
+                if usable():
+                    for batch in self._batches([w for w in taken if not w.abandoned]):
+                        self._run_batch(batch, compile_later)
         finally:
             for waiting in taken:  # the ones given no outputs take the scheduler's path
                 waiting.done.set()
         return me.outputs
 
     def _batches(self, taken: list[_Waiting]) -> list[list[_Waiting]]:
-        """Requests that agree on names, dtypes and per-row shapes, at most max_batch rows."""
+        """Requests that agree on names, dtypes and per-row shapes, at most max_batch rows
+        (and at most max_requests requests) each."""
         groups: dict[tuple[Any, ...], list[list[_Waiting]]] = {}
         for waiting in taken:
             key = tuple(sorted((n, v.dtype.str, v.shape[1:]) for n, v in waiting.inputs.items()))
             chunks = groups.setdefault(key, [[]])
-            if sum(w.rows for w in chunks[-1]) + waiting.rows > self.max_batch:
+            full = self.max_requests and len(chunks[-1]) >= self.max_requests
+            if full or sum(w.rows for w in chunks[-1]) + waiting.rows > self.max_batch:
                 chunks.append([])
             chunks[-1].append(waiting)
         return [chunk for chunks in groups.values() for chunk in chunks]

@@ -33,6 +33,7 @@ TICK = 0.1
 
 _INLINE_CODE = ModelRunner._execute_sync.__code__
 _FUSED_CODE = Fusion._run_steps.__code__
+_WHOLE_GRAPH_CODE = Fusion.run.__code__
 _HINT = (
     'A model that can run this long belongs in a worker thread: parameters { key: "execution" '
     'value: { string_value: "thread" } }'
@@ -56,6 +57,13 @@ def describe_holder(frame: FrameType | None) -> str:
                 return (
                     f"model '{model.name}' (version {model.version}) running inline, at "
                     f"{where}; every request waits until it returns. {_HINT}"
+                )
+        if outer.f_code is _WHOLE_GRAPH_CODE:
+            fusion = outer.f_locals.get("self")
+            if isinstance(fusion, Fusion) and fusion.mode == "xla":
+                return (
+                    f"ensemble '{fusion.name}' running fused (one compiled call of its steps), "
+                    f"at {where}; every request waits until it returns"
                 )
         outer = outer.f_back
     return f"synchronous code at {where}; every request waits until it returns"
