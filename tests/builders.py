@@ -176,3 +176,25 @@ def cached(definition: Model, enable: bool = True) -> Model:
     """``definition`` with ``response_cache { enable: ... }``."""
     config = attrs.evolve(definition.config, response_cache=ResponseCache(enable=enable))
     return attrs.evolve(definition, config=config)
+
+
+def with_fusion(definition: Model, mode: str) -> Model:
+    """``definition`` (an ensemble) with ``parameters { fusion: mode }`` (on, xla, off)."""
+    config = attrs.evolve(definition.config, parameters={"fusion": mode})
+    return attrs.evolve(definition, config=config)
+
+
+def fused(server: AsyncServer, name: str = "pipe") -> bool:
+    """Whether the ensemble ``name`` has run a request fused (mode "xla": has compiled one)."""
+    fusion = server._registry.resolve(name)._fusion
+    return fusion is not None and (fusion._announced or bool(fusion._ready))
+
+
+async def settled(server: AsyncServer, name: str = "pipe") -> bool:
+    """`fused`, once the compilations started in the background are done (at most 30 s): a
+    request for a new signature takes the scheduler's path while its fused call compiles."""
+    with trio.fail_after(30):
+        # A worker thread compiles: there is no event to wait on.
+        while (f := server._registry.resolve(name)._fusion) is not None and f._compiling:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    return fused(server, name)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -48,14 +47,9 @@ class Served:
         return "\n".join(self.output)
 
 
-def start_server(
-    *flags: str,
-    repository: Path = MODELS,
-    timeout: float = 120.0,
-    env: dict[str, str] | None = None,
-) -> Served:
-    """Start ``orchestrion serve`` on free ports and wait until it reports every endpoint."""
-    command: Sequence[str] = [
+def serve_command(*flags: str, repository: Path = MODELS) -> list[str]:
+    """The ``orchestrion serve`` command line for ``repository`` on free ports (0)."""
+    return [
         sys.executable,
         "-m",
         "orchestrion",
@@ -70,6 +64,16 @@ def start_server(
         "0",
         *flags,
     ]
+
+
+def start_server(
+    *flags: str,
+    repository: Path = MODELS,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Served:
+    """Start ``orchestrion serve`` on free ports and wait until it reports every endpoint."""
+    command = serve_command(*flags, repository=repository)
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -131,3 +135,23 @@ def post(
         return response.status, response.read()
     finally:
         connection.close()
+
+
+def get(address: str, path: str) -> tuple[int, bytes]:
+    """One HTTP GET on a fresh connection: the status and the body of the answer."""
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def pending(served: Served, model: str) -> float:
+    """``nv_inference_pending_request_count`` of ``model``, from the metrics endpoint."""
+    _, body = get(served.metrics, "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(f'nv_inference_pending_request_count{{model="{model}"'):
+            return float(line.split()[-1])
+    return 0.0

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import orchestrion
-from builders import StepRecorder, ensemble, model, step, tensor
+from builders import StepRecorder, ensemble, fused, model, settled, step, tensor, with_fusion
 from orchestrion import InferenceError, InferenceTimeoutError
 from orchestrion.protocols import DynamicBatching
 
@@ -51,24 +51,7 @@ def _models(*, fusion: str = "on", segment: Any = None, dims: tuple[int, ...] = 
             step("segment", {"X": "prepared"}, {"S": "SEG"}),
         ],
     )
-    config = attrs.evolve(pipe.config, parameters={"fusion": fusion})
-    return [prepare, classify, segment_model, attrs.evolve(pipe, config=config)]
-
-
-def _fused(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """Whether the ensemble has run a request fused (mode "xla": compiled a signature)."""
-    fusion = server._registry.resolve(name)._fusion
-    return fusion is not None and (fusion._announced or bool(fusion._ready))
-
-
-async def _settled(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """`_fused`, once the compilations started in the background are done (at most 30 s):
-    a request for a new signature takes the scheduler's path while its fused call compiles."""
-    with trio.fail_after(30):
-        # A worker thread compiles: there is no event to wait on.
-        while (f := server._registry.resolve(name)._fusion) is not None and f._compiling:  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    return _fused(server, name)
+    return [prepare, classify, segment_model, with_fusion(pipe, fusion)]
 
 
 def _reference(x: np.ndarray) -> dict[str, np.ndarray]:
@@ -87,12 +70,12 @@ async def test_fused_answers_and_statistics_match_the_scheduler(
     for fusion in ("on", "off"):
         async with orchestrion.open_server(models=_models(fusion=fusion)) as server:
             await server.infer("pipe", {"IN": inputs[0]})  # compiles (fused: in the background)
-            await _settled(server)
+            await settled(server)
             for x in inputs:
                 response = await server.infer("pipe", {"IN": x})
                 for name, want in _reference(x).items():
                     np.testing.assert_allclose(response.outputs[name], want, rtol=1e-5)
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             counts[fusion] = {
                 s.name: (
                     s.inference_count,
@@ -123,14 +106,14 @@ async def test_reloading_a_composing_model_rebuilds_the_fusion() -> None:
     async with orchestrion.open_server(models=_models()) as server:
         x = RNG.standard_normal(16).astype(np.float32)
         await server.infer("pipe", {"IN": x})
-        assert await _settled(server)
+        assert await settled(server)
         before = await server.infer("pipe", {"IN": x})
         np.testing.assert_allclose(before.outputs["SEG"], -(x * 2 + 1), rtol=1e-5)
         await server.load_model(
             model("segment", lambda X: {"S": X * 10}, [tensor("X")], [tensor("S")])
         )
         first = await server.infer("pipe", {"IN": x})  # the scheduler's, while it compiles
-        assert await _settled(server)
+        assert await settled(server)
         after = await server.infer("pipe", {"IN": x})
     np.testing.assert_allclose(first.outputs["SEG"], (x * 2 + 1) * 10, rtol=1e-5)
     np.testing.assert_allclose(after.outputs["SEG"], (x * 2 + 1) * 10, rtol=1e-5)
@@ -146,7 +129,7 @@ async def test_a_step_output_that_breaks_its_config_fails_as_without_fusion() ->
             with pytest.raises(InferenceError) as caught:
                 await server.infer("pipe", {"IN": np.ones(16, np.float32)})
             errors[fusion] = str(caught.value)
-            assert not await _settled(server)  # its signature was refused
+            assert not await settled(server)  # its signature was refused
     assert errors["on"] == errors["off"]
     assert "segment" in errors["on"]
     assert "data type" in errors["on"]
@@ -157,7 +140,7 @@ async def test_observers_and_tracing_keep_the_scheduler() -> None:
     recorder = StepRecorder()
     async with orchestrion.open_server(models=_models(), observers=[recorder]) as server:
         await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-        assert not _fused(server)
+        assert not fused(server)
     assert len(recorder.requests) == 3
 
 
@@ -169,7 +152,7 @@ async def test_variable_shapes_compile_off_the_loop_under_concurrency() -> None:
     async with orchestrion.open_server(models=_models(dims=(-1,))) as server:
         for _ in range(10):
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-        assert await _settled(server)
+        assert await settled(server)
         answers: dict[int, Any] = {}
 
         async def one(i: int) -> None:
@@ -182,10 +165,10 @@ async def test_variable_shapes_compile_off_the_loop_under_concurrency() -> None:
         async with trio.open_nursery() as nursery:
             for i in range(40):
                 nursery.start_soon(one, i)
-        assert await _settled(server)
+        assert await settled(server)
         for i in range(4):  # after the compilations: fused
             await one(i)
-        assert _fused(server)
+        assert fused(server)
     assert len(answers) == 40
 
 
@@ -195,7 +178,7 @@ async def test_a_fused_result_past_its_deadline_is_a_timeout() -> None:
     async with orchestrion.open_server(models=_models()) as server:
         x = np.ones(16, np.float32)
         await server.infer("pipe", {"IN": x})
-        assert await _settled(server)
+        assert await settled(server)
         with trio.move_on_at(trio.current_time() - 1) as scope:  # a deadline already passed
             await server.infer("pipe", {"IN": x})
         assert scope.cancelled_caught
@@ -232,12 +215,11 @@ def _batching_models(*, fusion: str = "on", delay: int = 0, rows_out: Any = None
         ],
         max_batch_size=8,
     )
-    config = attrs.evolve(pipe.config, parameters={"fusion": fusion})
     return [
         batched(prepare),
         batched(classify),
         batched(segment),
-        attrs.evolve(pipe, config=config),
+        with_fusion(pipe, fusion),
     ]
 
 
@@ -271,10 +253,10 @@ async def test_concurrent_requests_are_gathered_into_fused_batches() -> None:
     for fusion in ("on", "off"):
         async with orchestrion.open_server(models=_batching_models(fusion=fusion)) as server:
             await _concurrent_rows(server, 4)  # compiles (fused: every padded size at once)
-            await _settled(server)
+            await settled(server)
             answers = await _concurrent_rows(server, 60)
             assert len(answers) == 60
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             stats[fusion] = server.model_statistics("segment")[0]
     fused, scheduled = stats["on"], stats["off"]
     rows = sum(1 + i % 3 for i in range(4)) + sum(1 + i % 3 for i in range(60))
@@ -303,7 +285,7 @@ async def test_a_queue_delay_keeps_the_batchers() -> None:
     """A step with a queue delay asks its batcher to wait for company: no fusion."""
     async with orchestrion.open_server(models=_batching_models(delay=100)) as server:
         await _concurrent_rows(server, 8)
-        assert not _fused(server)
+        assert not fused(server)
 
 
 async def test_cancelled_and_timed_out_requests_in_a_gathered_batch_get_one_outcome() -> None:
@@ -313,7 +295,7 @@ async def test_cancelled_and_timed_out_requests_in_a_gathered_batch_get_one_outc
     outcomes: dict[int, str] = {}
     async with orchestrion.open_server(models=_batching_models()) as server:
         await _concurrent_rows(server, 4)
-        assert await _settled(server)
+        assert await settled(server)
 
         async def one(i: int) -> None:
             x = np.full((1, 16), float(i), np.float32)
@@ -351,7 +333,7 @@ async def test_xla_mode_compiles_the_whole_graph_in_the_background() -> None:
     async with orchestrion.open_server(models=_models(fusion="xla")) as server:
         x = RNG.standard_normal(16).astype(np.float32)
         await server.infer("pipe", {"IN": x})
-        assert await _settled(server)
+        assert await settled(server)
         fusion = server._registry.resolve("pipe")._fusion
         assert fusion is not None
         assert fusion.mode == "xla"

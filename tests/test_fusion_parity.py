@@ -22,33 +22,22 @@ import pytest
 import trio
 
 import orchestrion
-from builders import cached, chain, double, ensemble, model, step, tensor
+from builders import (
+    cached,
+    chain,
+    double,
+    ensemble,
+    fused,
+    model,
+    settled,
+    step,
+    tensor,
+    with_fusion,
+)
 from orchestrion import InferenceError, InferenceTimeoutError
 from orchestrion.protocols import DynamicBatching
 
 MODES = ("on", "off")
-
-
-def _fusion(definition: orchestrion.Model, fusion: str) -> orchestrion.Model:
-    """``definition`` (an ensemble) with ``parameters { fusion: ... }``."""
-    config = attrs.evolve(definition.config, parameters={"fusion": fusion})
-    return attrs.evolve(definition, config=config)
-
-
-def _fused(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """Whether the ensemble has run a request fused (mode "xla": compiled a signature)."""
-    fusion = server._registry.resolve(name)._fusion
-    return fusion is not None and (fusion._announced or bool(fusion._ready))
-
-
-async def _settled(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """`_fused`, once the compilations started in the background are done (at most 30 s):
-    a request for a new signature takes the scheduler's path while its fused call compiles."""
-    with trio.fail_after(30):
-        # A worker thread compiles: there is no event to wait on.
-        while (f := server._registry.resolve(name)._fusion) is not None and f._compiling:  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    return _fused(server, name)
 
 
 def _counts(server: orchestrion.AsyncServer) -> dict[tuple[str, int], tuple[int, ...]]:
@@ -89,7 +78,7 @@ def _variable_pair(
     return [
         model("a", a, [tensor("X", dims=var)], [tensor("Y", dims=var)]),
         model("b", b, [tensor("X", dims=var)], [tensor("S", dims=var)]),
-        _fusion(pipe, fusion),
+        with_fusion(pipe, fusion),
     ]
 
 
@@ -97,7 +86,7 @@ async def _warm(server: orchestrion.AsyncServer, fusion: str) -> None:
     """Requests of 16 elements until the instances run inline (and, with fusion, fused)."""
     for _ in range(8):
         await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-    assert await _settled(server) is (fusion == "on")
+    assert await settled(server) is (fusion == "on")
 
 
 # -- differences found in review, now the same ---------------------------------------------
@@ -120,7 +109,7 @@ async def test_a_composing_models_input_dims_are_enforced(fusion: str) -> None:
         [tensor("OUT", dims=(2,))],
         [step("classify", {"X": "IN"}, {"C": "OUT"})],
     )
-    async with orchestrion.open_server(models=[classify, _fusion(pipe, fusion)]) as server:
+    async with orchestrion.open_server(models=[classify, with_fusion(pipe, fusion)]) as server:
         await server.infer("pipe", {"IN": np.ones(16, np.float32)})
         with pytest.raises(InferenceError, match=r"input 'X' has shape \[18\], expected \[16\]"):
             await server.infer("pipe", {"IN": np.ones(18, np.float32)})
@@ -163,7 +152,7 @@ async def test_fused_numerics_match_the_scheduler_bit_for_bit(
         # Fresh functions per server (JAX caches traces per function object).
         a = model("a", lambda X, f=first: f(X), [tensor("X", dtype)], [tensor("Y", dtype)])
         b = model("b", lambda X, f=second: f(X), [tensor("X", dtype)], [tensor("Y", dtype)])
-        pipe = _fusion(
+        pipe = with_fusion(
             ensemble(
                 "pipe",
                 [tensor("IN", dtype)],
@@ -175,7 +164,7 @@ async def test_fused_numerics_match_the_scheduler_bit_for_bit(
         async with orchestrion.open_server(models=[a, b, pipe]) as server:
             value = x.astype(tensor("IN", dtype).data_type.numpy_dtype)
             await server.infer("pipe", {"IN": value})  # compiles (fused: in the background)
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             response = await server.infer("pipe", {"IN": value})
             outputs[fusion] = response.outputs["OUT"]
     np.testing.assert_array_equal(outputs["on"], outputs["off"])
@@ -276,7 +265,7 @@ async def test_a_step_whose_input_was_left_out_does_not_run() -> None:
                 step("b", {"A": "y", "B": "z"}, {"O": "OUT"}),
             ],
         )
-        async with orchestrion.open_server(models=[a, b, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[a, b, with_fusion(pipe, fusion)]) as server:
             response = await server.infer("pipe", {"IN": np.ones(16, np.float32)})
             b_count = server.model_statistics("b")[0].inference_count
             seen[fusion] = (sorted(response.outputs), b_count)
@@ -292,7 +281,7 @@ def _batching_chain(fusion: str) -> list[orchestrion.Model]:
         m = model(name, fn, [tensor("X")], [tensor("Y")], max_batch_size=8)
         config = attrs.evolve(m.config, dynamic_batching=batching)
         models.append(attrs.evolve(m, config=config))
-    return [*models, _fusion(chain("pipe", "a", "b", max_batch_size=8), fusion)]
+    return [*models, with_fusion(chain("pipe", "a", "b", max_batch_size=8), fusion)]
 
 
 @pytest.mark.parametrize("fusion", MODES)
@@ -306,7 +295,7 @@ async def test_a_gathered_request_past_its_deadline_is_not_counted_by_its_steps(
         x = np.ones((2, 16), np.float32)
         for _ in range(3):
             await server.infer("pipe", {"IN": x})
-        assert await _settled(server) is (fusion == "on")
+        assert await settled(server) is (fusion == "on")
         before = _counts(server)
         with pytest.raises(InferenceTimeoutError):
             await server.infer("pipe", {"IN": x}, timeout=1e-9)
@@ -354,14 +343,14 @@ async def test_batches_params_a_shared_model_and_response_metadata_match() -> No
             [step("a", {"X": "IN"}, {"Y": "MID"}), step("a", {"X": "MID"}, {"Y": "OUT"})],
             max_batch_size=8,
         )
-        async with orchestrion.open_server(models=[a, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[a, with_fusion(pipe, fusion)]) as server:
             responses = []
             for n in (3, 3, 5, 5, 1):
                 x = np.arange(n * 16, dtype=np.float32).reshape(n, 16)
                 responses.append(
                     await server.infer("pipe", {"IN": x}, request_id=f"r{n}", sequence_id=5)
                 )
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             results[fusion] = (
                 [
                     (
@@ -408,12 +397,12 @@ async def test_pinned_version_dtypes_nan_and_metrics_match() -> None:
             outs,
             [step("m", {"X": "IN"}, {n: n for n in "BHIU"}, version=1)],
         )
-        async with orchestrion.open_server(models=[v1, v2, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[v1, v2, with_fusion(pipe, fusion)]) as server:
             x = np.linspace(-2, 2, 16).astype(np.float32)
             x[3] = np.nan
             for _ in range(3):
                 response = await server.infer("pipe", {"IN": x})
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             metrics = sorted(
                 line
                 for line in server.metrics_text().splitlines()
@@ -447,8 +436,8 @@ async def test_cache_nesting_limits_and_threads_match() -> None:
             double("d1"),
             double("d2"),
             threaded,
-            _fusion(cached(chain("cached", "d1", "d2")), fusion),
-            _fusion(chain("inner", "d1", "d2"), fusion),
+            with_fusion(cached(chain("cached", "d1", "d2")), fusion),
+            with_fusion(chain("inner", "d1", "d2"), fusion),
             ensemble(
                 "outer",
                 [tensor("IN")],
@@ -458,8 +447,8 @@ async def test_cache_nesting_limits_and_threads_match() -> None:
                     step("d2", {"X": "mid"}, {"Y": "OUT"}),
                 ],
             ),
-            _fusion(chain("limited", "d1", "d2", max_inflight_requests=1), fusion),
-            _fusion(chain("mixed", "d1", "t"), fusion),
+            with_fusion(chain("limited", "d1", "d2", max_inflight_requests=1), fusion),
+            with_fusion(chain("mixed", "d1", "t"), fusion),
         ]
         async with orchestrion.open_server(
             models=models, cache_config=["local,size=1048576"]
@@ -479,9 +468,9 @@ async def test_cache_nesting_limits_and_threads_match() -> None:
                         nursery.start_soon(one, name, i)
             for i in range(6):
                 await one("cached", i)
-            assert _fused(server, "inner") is (fusion == "on")
-            assert _fused(server, "limited") is (fusion == "on")
-            assert not _fused(server, "mixed")
+            assert fused(server, "inner") is (fusion == "on")
+            assert fused(server, "limited") is (fusion == "on")
+            assert not fused(server, "mixed")
             cache = server.model_statistics("cached")[0].inference_stats
             results[fusion] = (
                 answers,
@@ -517,7 +506,7 @@ async def test_a_step_output_over_max_batch_size_fails_as_without_fusion(batchin
             [step("a", {"X": "IN"}, {"Y": "OUT"})],
             max_batch_size=4,
         )
-        async with orchestrion.open_server(models=[a, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[a, with_fusion(pipe, fusion)]) as server:
             with pytest.raises(InferenceError) as caught:
                 await server.infer("pipe", {"IN": np.ones((3, 16), np.float32)})
             errors[fusion] = str(caught.value)
@@ -530,12 +519,12 @@ async def test_an_expired_unbatched_request_counts_the_same() -> None:
     inline (uninterruptible), count them, and report a timeout."""
     counts = {}
     for fusion in MODES:
-        pipe = _fusion(chain("pipe", "d1", "d2"), fusion)
+        pipe = with_fusion(chain("pipe", "d1", "d2"), fusion)
         async with orchestrion.open_server(models=[double("d1"), double("d2"), pipe]) as server:
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
             with pytest.raises(InferenceTimeoutError):
                 await server.infer("pipe", {"IN": np.ones(16, np.float32)}, timeout=1e-9)
-            assert await _settled(server) is (fusion == "on")
+            assert await settled(server) is (fusion == "on")
             counts[fusion] = _counts(server)
     assert counts["on"] == counts["off"]
 
@@ -544,7 +533,7 @@ def test_the_blocking_server_runs_fused() -> None:
     """orchestrion.Server (the blocking wrapper): the same answers and counts."""
     counts = {}
     for fusion in MODES:
-        pipe = _fusion(chain("pipe", "d1", "d2"), fusion)
+        pipe = with_fusion(chain("pipe", "d1", "d2"), fusion)
         with orchestrion.Server(models=[double("d1"), double("d2"), pipe]) as server:
             for i in range(5):
                 response = server.infer("pipe", {"IN": np.full(16, i, np.float32)})

@@ -1,47 +1,25 @@
 """A second review of fusion against the scheduler's path: the differences it found (checks
 keyed by input names, composing models' output reshapes, max_inflight_requests, a collector
-cancelled while gathering, an unload racing a gathered request, the watchdog in mode "xla")
+cancelled while gathering, an unload racing a gathered request; the watchdog in mode "xla" is tested with the other
+modes in tests/reliability/test_faults.py)
 are fixed, and each test stays; with the properties the reviewer verified."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import attrs
-import jax
 import numpy as np
 import pytest
 import trio
 
 import orchestrion
-from builders import ensemble, model, step, tensor
+from builders import ensemble, fused, model, settled, step, tensor, with_fusion
 from orchestrion import InferenceError
 from orchestrion.protocols import DynamicBatching, Reshape
 
 MODES = ("on", "off")
-
-
-def _fusion(definition: orchestrion.Model, fusion: str) -> orchestrion.Model:
-    """``definition`` (an ensemble) with ``parameters { fusion: ... }``."""
-    config = attrs.evolve(definition.config, parameters={"fusion": fusion})
-    return attrs.evolve(definition, config=config)
-
-
-def _fused(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """Whether the ensemble has run a request fused (mode "xla": compiled a signature)."""
-    fusion = server._registry.resolve(name)._fusion
-    return fusion is not None and (fusion._announced or bool(fusion._ready))
-
-
-async def _settled(server: orchestrion.AsyncServer, name: str = "pipe") -> bool:
-    """`_fused`, once the compilations started in the background are done (at most 30 s)."""
-    with trio.fail_after(30):
-        # A worker thread compiles: there is no event to wait on.
-        while (f := server._registry.resolve(name)._fusion) is not None and f._compiling:  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    return _fused(server, name)
 
 
 def _counts(server: orchestrion.AsyncServer) -> dict[str, tuple[Any, ...]]:
@@ -79,7 +57,7 @@ def _batching_chain(fusion: str, *, dims: tuple[int, ...] = (16,)) -> list[orche
         [step("a", {"X": "IN"}, {"Y": "mid"}), step("b", {"X": "mid"}, {"Y": "OUT"})],
         max_batch_size=8,
     )
-    return [*models, _fusion(pipe, fusion)]
+    return [*models, with_fusion(pipe, fusion)]
 
 
 # -- findings: differences between fusion and the scheduler --------------------------------
@@ -108,7 +86,7 @@ async def test_checked_shapes_are_keyed_by_name_not_by_the_clients_input_order()
             [tensor("OUT", dims=(2,))],
             [step("m", {"A": "A", "B": "B"}, {"O": "OUT"})],
         )
-        async with orchestrion.open_server(models=[m, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[m, with_fusion(pipe, fusion)]) as server:
             for _ in range(3):
                 ok = await server.infer(
                     "pipe", {"A": np.ones(2, np.float32), "B": np.ones(3, np.float32)}
@@ -148,12 +126,12 @@ async def test_a_composing_models_output_reshape_is_undone_on_every_fused_reques
             [tensor("OUT", dims=(4, 4))],
             [step("a", {"X": "IN"}, {"Y": "mid"}), step("b", {"X": "mid"}, {"S": "OUT"})],
         )
-        async with orchestrion.open_server(models=[a, b, _fusion(pipe, fusion)]) as server:
+        async with orchestrion.open_server(models=[a, b, with_fusion(pipe, fusion)]) as server:
             got = []
             for _ in range(3):
                 response = await server.infer("pipe", {"IN": np.ones(16, np.float32)})
                 got.append(response.outputs["OUT"].shape)
-            assert not await _settled(server)  # a reshaped output is never fused
+            assert not await settled(server)  # a reshaped output is never fused
             shapes[fusion] = got
     assert shapes["off"] == [(4, 4)] * 3
     assert shapes["on"] == shapes["off"]
@@ -186,7 +164,7 @@ def _limited(fusion: str) -> list[orchestrion.Model]:
         max_batch_size=8,
         max_inflight_requests=1,
     )
-    return [first, second, _fusion(pipe, fusion)]
+    return [first, second, with_fusion(pipe, fusion)]
 
 
 @pytest.mark.parametrize("fusion", MODES)
@@ -207,7 +185,7 @@ async def test_max_inflight_requests_holds_for_fused_requests(fusion: str) -> No
             nursery.start_soon(one, 3)
             await trio.sleep(0.1)  # inside the 0.4 s compilation of a batch of 3
             nursery.start_soon(one, 1)
-        assert _fused(server) is (fusion == "on")
+        assert fused(server) is (fusion == "on")
     assert order == [3, 1]
 
 
@@ -239,7 +217,7 @@ async def test_a_request_cancelled_while_gathered_is_not_run_by_its_steps(fusion
         x = np.ones((2, 16), np.float32)
         for _ in range(4):
             await server.infer("pipe", {"IN": x})
-        assert _fused(server) is (fusion == "on")
+        assert fused(server) is (fusion == "on")
         before = _counts(server)
         instrument = _CancelAtFirstYield(server)
 
@@ -293,44 +271,6 @@ async def test_unloading_the_ensemble_answers_a_request_being_gathered(fusion: s
     assert set(outcomes) == {"InferResponse"}, outcomes
 
 
-@pytest.mark.parametrize("fusion", ["xla", "off"])
-async def test_the_watchdog_names_a_hanging_step_in_a_fused_xla_call(
-    fusion: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A step that holds the event loop for 1.3 s (a host callback). The scheduler's path
-    (and fusion "on") names the model; fusion "xla", which runs the whole graph as one
-    call, names the ensemble."""
-    caplog.set_level(logging.INFO, logger="orchestrion")
-    hold = [False]
-
-    def maybe_hang() -> None:  # runs on the host while the jitted step executes
-        if hold[0]:
-            time.sleep(1.3)  # stands for a hang that ends
-
-    def held(X: Any) -> dict[str, Any]:
-        jax.debug.callback(maybe_hang)
-        return {"Y": X + 1}
-
-    first = model("first", lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")])
-    second = model("second", held, [tensor("X")], [tensor("Y")])
-    pipe = ensemble(
-        "pipe",
-        [tensor("IN")],
-        [tensor("OUT")],
-        [step("first", {"X": "IN"}, {"Y": "mid"}), step("second", {"X": "mid"}, {"Y": "OUT"})],
-    )
-    async with orchestrion.open_server(models=[first, second, _fusion(pipe, fusion)]) as server:
-        x = np.ones(16, np.float32)
-        await server.infer("pipe", {"IN": x})
-        assert await _settled(server) is (fusion == "xla")
-        hold[0] = True
-        response = await server.infer("pipe", {"IN": x})
-        np.testing.assert_array_equal(response.outputs["OUT"], x * 2 + 1)
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1, errors
-    assert "model 'second'" in errors[0] or "ensemble 'pipe'" in errors[0], errors[0]
-
-
 # -- properties that hold -------------------------------------------------------------------
 
 
@@ -358,7 +298,7 @@ async def test_gathered_requests_of_different_row_shapes_get_their_own_rows() ->
                 async with trio.open_nursery() as nursery:
                     for i in range(12):
                         nursery.start_soon(one, i, k)
-            assert _fused(server) is (fusion == "on")
+            assert fused(server) is (fusion == "on")
             answers[fusion] = got
     assert answers["on"] == answers["off"]
 
@@ -375,7 +315,7 @@ async def test_unloading_an_xla_ensemble_mid_compile_neither_waits_nor_fails() -
             time.sleep(0.5)  # runs while JAX traces 20 elements: a long compilation
         return {"Y": X * 2}
 
-    pipe = _fusion(
+    pipe = with_fusion(
         ensemble(
             "pipe",
             [tensor("IN", dims=var)],
@@ -399,7 +339,7 @@ async def test_unloading_an_xla_ensemble_mid_compile_neither_waits_nor_fails() -
     async with orchestrion.open_server(models=models) as server:
         for _ in range(3):
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-        assert await _settled(server)
+        assert await settled(server)
         old = server._registry.resolve("pipe")._fusion
         response = await server.infer("pipe", {"IN": np.ones(20, np.float32)})
         np.testing.assert_array_equal(response.outputs["OUT"], np.full(20, -2, np.float32))

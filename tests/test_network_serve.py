@@ -9,7 +9,6 @@ import shutil
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import MODELS, Served, post, start_server
+from served import MODELS, Served, pending, post, start_server
 from tritonclient.utils import InferenceServerException
 
 
@@ -141,14 +140,6 @@ def test_poll_mode_picks_up_new_changed_and_removed_models(tmp_path: Path) -> No
         assert served.stop() == 0
 
 
-def _pending(served: Served, model: str) -> float:
-    with urllib.request.urlopen(f"http://{served.metrics}/metrics", timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(f'nv_inference_pending_request_count{{model="{model}"'):
-                return float(line.split()[-1])
-    return 0.0
-
-
 def test_sigterm_lets_requests_in_flight_finish() -> None:
     """SIGTERM with 6 slow requests in flight (HTTP and gRPC): all 6 succeed, new connections
     are refused, and the process exits 0."""
@@ -172,7 +163,7 @@ def test_sigterm_lets_requests_in_flight_finish() -> None:
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 30
-        while _pending(served, "sleepy") < 6:
+        while pending(served, "sleepy") < 6:
             assert time.monotonic() < deadline, "requests never reached the model"
             time.sleep(0.02)
         served.process.send_signal(signal.SIGTERM)
@@ -206,7 +197,7 @@ def test_exit_timeout_bounds_the_wait_for_slow_requests() -> None:
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while _pending(served, "sleepy") < 1:
+        while pending(served, "sleepy") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         started = time.monotonic()

@@ -14,7 +14,6 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +28,9 @@ from inprocess_servers import front_ends
 from mixed_load import case, check, grpc_inputs, http_call
 from redis_server import RedisServer
 from reliability_report import SIZE, record
-from served import Served, start_server
+from served import Served, get, pending, start_server
 
-from builders import assert_idle, ensemble, gated, model, step, tensor
+from builders import assert_idle, ensemble, gated, model, settled, step, tensor, with_fusion
 from orchestrion import (
     AsyncServer,
     InferenceError,
@@ -416,8 +415,7 @@ class NetworkLoad:
 
 
 def _cache_hits(served: Served) -> int:
-    with urllib.request.urlopen(f"http://{served.http}/v2/models/pipeline/stats", timeout=10) as r:
-        stats = json.loads(r.read())
+    stats = json.loads(get(served.http, "/v2/models/pipeline/stats")[1])
     return int(stats["model_stats"][0]["inference_stats"]["cache_hit"]["count"])
 
 
@@ -531,7 +529,7 @@ def test_sigterm_under_load_answers_every_request() -> None:
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + 30
-            while _pending_served(served, "sleepy") < len(threads):
+            while pending(served, "sleepy") < len(threads):
                 assert time.monotonic() < deadline, "the slow requests never arrived"
                 time.sleep(0.02)
             at_signal = load.taken()
@@ -571,19 +569,20 @@ def _is_refusal(error: object) -> bool:
     return status in ("503", "StatusCode.UNAVAILABLE", "StatusCode.CANCELLED")
 
 
-def _pending_served(served: Served, model: str) -> float:
-    with urllib.request.urlopen(f"http://{served.metrics}/metrics", timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(f'nv_inference_pending_request_count{{model="{model}"'):
-                return float(line.split()[-1])
-    return 0.0
-
-
+@pytest.mark.parametrize(
+    ("fusion", "named"),
+    [
+        ("on", "model 'second' (version 1) running inline"),
+        ("xla", "ensemble 'fused' running fused"),
+        ("off", "model 'second' (version 1) running inline"),
+    ],
+)
 async def test_a_step_hanging_inside_a_fused_ensemble_is_named_by_the_watchdog(
-    caplog: pytest.LogCaptureFixture,
+    fusion: str, named: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fused ensemble calls its steps without the scheduler: a step that holds the event
-    loop there is still named by the watchdog."""
+    loop there is still named by the watchdog (the whole-graph call of mode "xla" names the
+    ensemble)."""
     caplog.set_level(logging.INFO, logger="orchestrion")
     hold = [False]
 
@@ -603,20 +602,20 @@ async def test_a_step_hanging_inside_a_fused_ensemble_is_named_by_the_watchdog(
         [tensor("OUT")],
         [step("first", {"X": "IN"}, {"Y": "mid"}), step("second", {"X": "mid"}, {"Y": "OUT"})],
     )
-    async with open_server(models=[first, second, pipe]) as server:
+    async with open_server(models=[first, second, with_fusion(pipe, fusion)]) as server:
         await server.infer("fused", {"IN": X})
-        fusion = server._registry.resolve("fused")._fusion
-        assert fusion is not None
-        assert fusion._announced
+        assert await settled(server, "fused") is (fusion != "off")
         hold[0] = True
         response = await server.infer("fused", {"IN": X})
         np.testing.assert_array_equal(response.outputs["OUT"], X * 2 + 1)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
-    assert "model 'second' (version 1) running inline" in errors[0]
+    assert named in errors[0], errors[0]
+    who = "ensemble" if fusion == "xla" else "step's model"
     record(
         "Faults",
-        "A step that holds the event loop inside a fused ensemble (1.3 s, a host callback)",
+        f"A step that holds the event loop inside an ensemble with fusion {fusion} (1.3 s, "
+        "a host callback)",
         "1 request",
-        "the watchdog named the step's model; the request was answered right",
+        f"the watchdog named the {who}; the request was answered right",
     )

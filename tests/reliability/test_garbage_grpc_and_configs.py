@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import gzip
-import http.client
 import json
 import math
 import os
@@ -26,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability_report import examples, record
-from served import MODELS, Served, post, start_server
+from served import MODELS, Served, get, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import orchestrion
@@ -904,21 +903,11 @@ def _check_http(status: int, body: bytes, server: Served) -> None:
     assert status in (200, 400, 404, 413), (status, body[:300])
     if status != 200:
         assert json.loads(body)["error"], body[:300]
-    live, _ = _get(server, "/v2/health/live")
+    live, _ = get(server.http, "/v2/health/live")
     assert live == 200
     status, reply = post(server.http, "/v2/models/square/infer", _SQUARE_BODY)
     assert status == 200, reply
     assert json.loads(reply)["outputs"][0]["data"] == [49]
-
-
-def _get(server: Served, path: str) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection(server.http, timeout=30)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
 
 
 _SQUARE_BODY = json.dumps(

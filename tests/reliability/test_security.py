@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gzip
-import http.client
 import json
 import os
 import secrets
@@ -16,7 +15,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -31,7 +29,7 @@ import tritonclient.grpc as grpcclient
 import trustme
 from redis_server import RedisServer
 from reliability_report import record
-from served import MODELS, Served, post, start_server
+from served import MODELS, Served, get, post, serve_command, start_server
 from tritonclient.utils import InferenceServerException
 
 # -- helpers -------------------------------------------------------------------------------
@@ -41,16 +39,6 @@ def _pipeline_body(value: float) -> bytes:
     return json.dumps(
         {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16], "data": [value] * 16}]}
     ).encode()
-
-
-def _get(address: str, path: str) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection(address, timeout=30)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
 
 
 def _drain(served: Served) -> threading.Thread:
@@ -99,23 +87,8 @@ def _run_to_exit(
     *flags: str, env: dict[str, str] | None = None, timeout: float = 60.0
 ) -> tuple[int, str]:
     """Run ``orchestrion serve`` that is expected to fail at start: its exit code and output."""
-    command = [
-        sys.executable,
-        "-m",
-        "orchestrion",
-        "serve",
-        "--model-repository",
-        str(MODELS),
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--metrics-port",
-        "0",
-        *flags,
-    ]
     done = subprocess.run(
-        command,
+        serve_command(*flags),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**_clean_env(), "COLUMNS": "200", **(env or {})},
@@ -191,7 +164,7 @@ def test_binds_loopback_unless_told_otherwise() -> None:
         assert _host_port(served.metrics)[0] == "127.0.0.1"
         if external is not None:
             port = _host_port(served.http)[1]
-            assert _get(f"{external}:{port}", "/v2/health/live")[0] == 200
+            assert get(f"{external}:{port}", "/v2/health/live")[0] == 200
             assert _refused(external, _host_port(served.grpc)[1])
             assert _refused(external, _host_port(served.metrics)[1])
     finally:
@@ -203,9 +176,9 @@ def test_binds_loopback_unless_told_otherwise() -> None:
             assert _host_port(address)[0] == "0.0.0.0", address
         if external is not None:
             http_port = _host_port(served.http)[1]
-            assert _get(f"{external}:{http_port}", "/v2/health/live")[0] == 200
+            assert get(f"{external}:{http_port}", "/v2/health/live")[0] == 200
             metrics_port = _host_port(served.metrics)[1]
-            assert _get(f"{external}:{metrics_port}", "/metrics")[0] == 200
+            assert get(f"{external}:{metrics_port}", "/metrics")[0] == 200
             with grpcclient.InferenceServerClient(
                 f"{external}:{_host_port(served.grpc)[1]}"
             ) as client:
@@ -349,7 +322,7 @@ def _everything_reported(served: Served) -> list[str]:
         "/v2/trace/setting",
         "/v2/logging",
     ):
-        texts.append(_get(served.http, path)[1].decode(errors="replace"))
+        texts.append(get(served.http, path)[1].decode(errors="replace"))
     for path, body in (
         ("/v2/repository/index", b"{}"),
         ("/v2/models/pipeline/infer", b"{not json"),
@@ -358,7 +331,7 @@ def _everything_reported(served: Served) -> list[str]:
         ("/v2/models/pipeline/infer", b'{"inputs": [{"name": "X"}]}'),
     ):
         texts.append(post(served.http, path, body)[1].decode(errors="replace"))
-    texts.append(_get(served.metrics, "/metrics")[1].decode(errors="replace"))
+    texts.append(get(served.metrics, "/metrics")[1].decode(errors="replace"))
     with grpcclient.InferenceServerClient(served.grpc) as client:
         texts.append(json.dumps(client.get_server_metadata(as_json=True)))
         texts.append(json.dumps(client.get_model_metadata("pipeline", as_json=True)))
@@ -497,7 +470,7 @@ def _tls_flags(files: dict[str, str], *, ca: bool = True) -> list[str]:
 
 
 def _pipeline_cache_counts(served: Served) -> tuple[int, int]:
-    status, body = _get(served.http, "/v2/models/pipeline/stats")
+    status, body = get(served.http, "/v2/models/pipeline/stats")
     assert status == 200, body
     stats = json.loads(body)["model_stats"][0]["inference_stats"]
     return int(stats["cache_hit"]["count"]), int(stats["cache_miss"]["count"])
@@ -529,7 +502,7 @@ def test_redis_over_tls_end_to_end(tls_redis: tuple[RedisServer, dict[str, str]]
         assert second[0] == 200, second
         assert json.loads(first[1])["outputs"] == json.loads(second[1])["outputs"]
         assert _pipeline_cache_counts(served) == (1, 1)  # read back over TLS
-        metrics = _get(served.metrics, "/metrics")[1].decode()
+        metrics = get(served.metrics, "/metrics")[1].decode()
         assert any(
             line.startswith("nv_cache_num_hits ") and float(line.split()[-1]) >= 1
             for line in metrics.splitlines()
@@ -686,7 +659,7 @@ def test_corrupted_or_foreign_redis_values_are_logged_misses(
     lines = text.split("\n")
     assert any("WARNING" in line and "ignoring the value of" in line for line in lines)
     assert any("WARNING" in line and "belongs to another request" in line for line in lines)
-    status, _ = _get(state.served.http, "/v2/health/ready")
+    status, _ = get(state.served.http, "/v2/health/ready")
     assert status == 200
     record(
         "Security",
@@ -864,7 +837,7 @@ def test_load_api_never_leaves_the_repository(explicit_repository: tuple[Served,
     index = json.loads(post(served.http, "/v2/repository/index", b"{}")[1])
     loaded = {m["name"] for m in index if m.get("state") == "READY"}
     assert loaded == {"square"}, index
-    assert _get(served.http, "/v2/models/outside")[0] == 404
+    assert get(served.http, "/v2/models/outside")[0] == 404
     record(
         "Security",
         "Load API with path-like names in explicit mode: .., ../x, absolute paths, "
