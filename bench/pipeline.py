@@ -327,9 +327,13 @@ async def _drive(call: Callable[[], Awaitable[Any]], n: int, concurrency: int) -
     return Sample(latencies, time.perf_counter_ns() - start)
 
 
-def measure_orchestrion(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample:
+def _measure_server(
+    models: list[orchestrion.Model], x: np.ndarray, n: int, concurrency: int, warmup: int
+) -> Sample:
+    """(a) or (d): ``models`` served by open_server, warmed up, then timed."""
+
     async def main() -> Sample:
-        async with orchestrion.open_server(models=orchestrion_models()) as server:
+        async with orchestrion.open_server(models=models) as server:
 
             async def call() -> Any:
                 return await server.infer("pipeline", {"INPUT": x})
@@ -340,6 +344,10 @@ def measure_orchestrion(x: np.ndarray, n: int, concurrency: int, warmup: int) ->
             return await _drive(call, n, concurrency)
 
     return trio.run(main)
+
+
+def measure_orchestrion(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample:
+    return _measure_server(orchestrion_models(), x, n, concurrency, warmup)
 
 
 async def _settle(server: orchestrion.AsyncServer) -> None:
@@ -379,18 +387,7 @@ def measure_sync(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample
 
 
 def measure_batching(x: np.ndarray, n: int, concurrency: int, warmup: int) -> Sample:
-    async def main() -> Sample:
-        async with orchestrion.open_server(models=batching_models()) as server:
-
-            async def call() -> Any:
-                return await server.infer("pipeline", {"INPUT": x})
-
-            await _drive(call, warmup, concurrency)
-            await _settle(server)
-            await _drive(call, warmup, concurrency)
-            return await _drive(call, n, concurrency)
-
-    return trio.run(main)
+    return _measure_server(batching_models(), x, n, concurrency, warmup)
 
 
 MEASURE = {
