@@ -623,15 +623,7 @@ class EnsembleRunner:
                 return None
             await trio.lowlevel.checkpoint_if_cancelled()  # a late result is cancelled
             return self._response(request, self.output_names, gathered)
-        signature = None
-        if fusion.mode == "xla":
-            signature = Fusion.signature(inputs)
-            state = fusion.state(signature)
-            if state == "new":
-                self._compile_later(signature, inputs)
-            if state != "ready":
-                return None
-        outputs = fusion.run(signature, inputs, [rows])
+        outputs = fusion.run(inputs, [rows], self._compile_later)
         if outputs is None:
             return None
         await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled

@@ -149,7 +149,8 @@ class Fusion:
     outputs: tuple[str, ...]
     mode: str = "on"
     """"on": the steps' own executables one after another; "xla": one traced function."""
-    _call: Callable[..., Any] = attrs.field(init=False)
+    _call: Callable[..., Any] | None = attrs.field(init=False, default=None)
+    """Mode "xla": the steps traced into one jitted function."""
     _params: tuple[Any, ...] = attrs.field(init=False)
     _ready: set[Signature] = attrs.field(init=False, factory=set)
     """Signatures checked and compiled."""
@@ -189,7 +190,8 @@ class Fusion:
         self._params = tuple(
             r.instances[0].params if r._with_params else None for r in self.runners
         )
-        self._call = jax.jit(self._traced)
+        if self.mode == "xla":
+            self._call = jax.jit(self._traced)
 
     def current(self, runners: Sequence[object]) -> bool:
         """Whether this fusion was built for exactly these runners (none reloaded)."""
@@ -228,8 +230,8 @@ class Fusion:
         return tuple(sorted((n, v.shape, v.dtype.str) for n, v in inputs.items()))
 
     def state(self, signature: Signature) -> str:
-        """ "ready", "refused", "compiling", or "new" (mode "on": always "ready")."""
-        if self.mode == "on" or signature in self._ready:
+        """ "ready", "refused", "compiling", or "new" (mode "xla")."""
+        if signature in self._ready:
             return "ready"
         if signature in self._refused:
             return "refused"
@@ -285,6 +287,7 @@ class Fusion:
                     return False
                 if rows is not None and any(o.shape[0] != rows for o in outputs.values()):
                     return False  # a batching model returns one row per input row
+            assert self._call is not None
             jax.block_until_ready(self._call(self._params, inputs))  # type: ignore[no-untyped-call]
         except Exception:  # whatever tracing raised: the scheduler runs (and reports) it
             return False
@@ -292,15 +295,27 @@ class Fusion:
         return True
 
     def run(
-        self, signature: Signature | None, inputs: Tensors, rows: Sequence[int]
+        self,
+        inputs: Tensors,
+        rows: Sequence[int],
+        compile_later: Callable[[Signature, Tensors], None],
     ) -> dict[str, np.ndarray[Any, Any]] | None:
-        """The ensemble's outputs for ``inputs`` (mode "xla": a ready signature), or None:
-        the scheduler runs the requests (a step raised, broke its config, or has not
-        compiled these shapes). ``rows``: the rows of each request in ``inputs`` (one
-        request: its batch size)."""
+        """The ensemble's outputs for ``inputs``, or None: the scheduler runs the requests
+        (a step raised, broke its config, or has not compiled these shapes; mode "xla": the
+        signature is not ready, and ``compile_later`` starts preparing a new one). ``rows``:
+        the rows of each request in ``inputs`` (one request: its batch size)."""
         if self.mode == "on":
             return self._run_steps(inputs, rows)
-        assert signature is not None
+        signature = self.signature(inputs)
+        state = self.state(signature)
+        if state == "new":
+            compile_later(signature, inputs)
+        return self._run_graph(signature, inputs, rows) if state == "ready" else None
+
+    def _run_graph(
+        self, signature: Signature, inputs: Tensors, rows: Sequence[int]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        assert self._call is not None
         started = time.perf_counter_ns()
         try:
             raw = self._call(self._params, inputs)
@@ -472,14 +487,7 @@ class Fusion:
             if pad:  # copies of the last row: computed, then dropped
                 parts.append(np.repeat(parts[-1][-1:], pad, axis=0))
             inputs[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        signature = self.signature(inputs) if self.mode == "xla" else None
-        if signature is not None:
-            state = self.state(signature)
-            if state == "new":
-                compile_later(signature, inputs)
-            if state != "ready":
-                return
-        outputs = self.run(signature, inputs, rows)
+        outputs = self.run(inputs, rows, compile_later)
         if outputs is None:
             return
         offset = 0

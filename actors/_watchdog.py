@@ -33,7 +33,7 @@ TICK = 0.1
 
 _INLINE_CODE = ModelRunner._execute_sync.__code__
 _FUSED_CODE = Fusion._run_steps.__code__
-_WHOLE_GRAPH_CODE = Fusion.run.__code__
+_WHOLE_GRAPH_CODE = Fusion._run_graph.__code__
 _HINT = (
     'A model that can run this long belongs in a worker thread: parameters { key: "execution" '
     'value: { string_value: "thread" } }'
@@ -60,7 +60,7 @@ def describe_holder(frame: FrameType | None) -> str:
                 )
         if outer.f_code is _WHOLE_GRAPH_CODE:
             fusion = outer.f_locals.get("self")
-            if isinstance(fusion, Fusion) and fusion.mode == "xla":
+            if isinstance(fusion, Fusion):
                 return (
                     f"ensemble '{fusion.name}' running fused (one compiled call of its steps), "
                     f"at {where}; every request waits until it returns"
