@@ -16,9 +16,17 @@ from pathlib import Path
 import pytest
 from reliability_report import AREAS, SIZE, TRIALS
 
+_UNRECORDED: dict[str, str] = {}
+"""Tests of the suite that failed before recording a row: their node id and error line."""
+
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Mark each test's rows with its outcome (a failure in any phase is a failure)."""
+    """Mark each test's rows with its outcome (a failure in any phase is a failure); a test
+    that failed before recording anything is listed on its own, never left out."""
+    recorded = any(t.test == report.nodeid for t in TRIALS)
+    if report.failed and "reliability/" in report.nodeid and not recorded:
+        lines = str(report.longrepr).strip().splitlines()
+        _UNRECORDED[report.nodeid] = lines[-1] if lines else "failed"
     for trial in TRIALS:
         if trial.test != report.nodeid:
             continue
@@ -60,7 +68,8 @@ def _document() -> str:
         "",
         f"- run on {datetime.date.today().isoformat()}, {platform.machine()}, "
         f"{os.cpu_count()} cores, Python {platform.python_version()}; {versions};",
-        f"- {passed} of {len(TRIALS)} trials passed. Each row is one test's record: what it "
+        f"- {passed} of {len(TRIALS)} trials passed; {len(_UNRECORDED)} tests failed before "
+        "recording a trial (listed at the end). Each row is one test's record: what it "
         "threw at orchestrion, how much of it, and what the test checked happened. CI runs the "
         "same tests at a smaller size (3,000 requests per load test, fewer Hypothesis "
         "examples).",
@@ -80,7 +89,11 @@ def _document() -> str:
         "- Sizes: the load tests run for seconds, not days; `bench/soak.py` runs longer "
         "rounds (see docs/performance.md).",
     ]
-    return "\n".join([*head, *_rows(), *limits, ""])
+    unrecorded = []
+    if _UNRECORDED:
+        unrecorded = ["", "## Failed before recording a trial", ""]
+        unrecorded += [f"- `{test}`: {error}" for test, error in _UNRECORDED.items()]
+    return "\n".join([*head, *_rows(), *unrecorded, *limits, ""])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -92,12 +105,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the rows, one line each."""
-    if not TRIALS:
+    if not TRIALS and not _UNRECORDED:
         return
     terminalreporter.section("reliability report")
     for t in TRIALS:
         terminalreporter.write_line(
             f"{t.outcome:>8}  {t.area}: {t.tried} ({t.amount}): {t.happened}"
         )
+    for test, error in _UNRECORDED.items():
+        terminalreporter.write_line(f"  FAILED  before recording a trial: {test}: {error}")
     if sys.stdout.isatty() and not os.environ.get("ORCHESTRION_RELIABILITY_REPORT"):
         terminalreporter.write_line("(ORCHESTRION_RELIABILITY_REPORT=PATH writes the document)")
