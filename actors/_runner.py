@@ -9,9 +9,12 @@ answer. Each instance runs one execution at a time.
 Inline or thread: a tiny jitted call costs about 7 µs and a hop to a worker thread 50–100 µs,
 so short executions run inline on the event loop; long ones would stall every other request,
 so they run in a worker thread (JAX and most numeric code release the GIL). The choice is
-measured, per instance: the median of five timed calls at load decides the start, then three
-executions in a row above 500 µs move the instance to a thread, three below 100 µs bring it
-back (one slow call, a garbage collection say, changes nothing). A first call for input shapes
+measured, per instance: the median of five timed calls at load decides the start; after that,
+each window of eight executions is judged by its fastest: if even that one took over 500 µs the
+instance moves to a thread, under 100 µs it comes back inline. Slow calls that are not the
+model's own doing (a garbage collection, or waiting for the GIL while a front end's thread
+holds it, which under load can make several calls in a row take milliseconds) change nothing
+as long as one call of the window ran at the model's real speed. A first call for input shapes
 ``execute`` is not compiled for always runs in a thread: compiling can take a second.
 ``parameters { key: "execution" value: { string_value: "inline" | "thread" | "auto" } }``
 fixes the choice per model.
@@ -55,8 +58,9 @@ _END = object()
 """What ``next`` returns when a decoupled model's generator is exhausted."""
 THREAD_ABOVE_NS = 500_000
 INLINE_BELOW_NS = 100_000
-SWITCH_AFTER = 3
-"""Consecutive executions on the other side of a threshold before an instance switches."""
+SWITCH_WINDOW = 8
+"""Executions an instance is judged over: it switches when the fastest of them is on the
+other side of a threshold."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -113,8 +117,10 @@ class _Instance:
     device: Any
     params: Any
     inline: bool
-    streak: int = 0
-    """Consecutive executions that argue for switching between inline and thread."""
+    window: int = 0
+    """Executions timed in the current window (`SWITCH_WINDOW`)."""
+    fastest_ns: int = 0
+    """The fastest of them."""
     busy: bool = False
     compiled: set[tuple[tuple[int, ...] | None, ...]] = attrs.field(factory=set)
     """Input shape signatures ``execute`` is compiled for on this instance's device."""
@@ -468,17 +474,21 @@ class ModelRunner:
             ) from exc
 
     def _learn(self, instance: _Instance, duration_ns: int) -> None:
-        """Move the instance between inline and thread on sustained evidence only: a garbage
-        collection or a busy machine can make one call of a tiny model take milliseconds."""
+        """Move the instance between inline and thread when the fastest execution of a
+        window says so: a garbage collection, a busy machine or a wait for the GIL can make
+        calls of a tiny model take milliseconds, several in a row, but not every one."""
         if self._mode != "auto":
             return
-        crossing = (
-            duration_ns > THREAD_ABOVE_NS if instance.inline else duration_ns < INLINE_BELOW_NS
-        )
-        instance.streak = instance.streak + 1 if crossing else 0
-        if instance.streak >= SWITCH_AFTER:
-            instance.inline = not instance.inline
-            instance.streak = 0
+        fastest = duration_ns if instance.window == 0 else min(instance.fastest_ns, duration_ns)
+        instance.window += 1
+        if instance.window < SWITCH_WINDOW:
+            instance.fastest_ns = fastest
+            return
+        instance.window = 0
+        if instance.inline and fastest > THREAD_ABOVE_NS:
+            instance.inline = False
+        elif not instance.inline and fastest < INLINE_BELOW_NS:
+            instance.inline = True
 
     def _record(
         self,

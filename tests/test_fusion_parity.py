@@ -35,6 +35,7 @@ from builders import (
     with_fusion,
 )
 from orchestrion import InferenceError, InferenceTimeoutError
+from orchestrion.actors._runner import SWITCH_WINDOW
 from orchestrion.protocols import DynamicBatching
 
 MODES = ("on", "off")
@@ -83,8 +84,9 @@ def _variable_pair(
 
 
 async def _warm(server: orchestrion.AsyncServer, fusion: str) -> None:
-    """Requests of 16 elements until the instances run inline (and, with fusion, fused)."""
-    for _ in range(8):
+    """Requests of 16 elements until the instances run inline (two windows of executions:
+    the instances start in a thread, the first call compiles) and, with fusion, fused."""
+    for _ in range(2 * SWITCH_WINDOW):
         await server.infer("pipe", {"IN": np.ones(16, np.float32)})
     assert await settled(server) is (fusion == "on")
 

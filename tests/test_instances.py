@@ -12,6 +12,7 @@ import trio.testing
 
 import orchestrion
 from builders import model, tensor
+from orchestrion.actors._runner import SWITCH_WINDOW
 
 
 def _sleepy(count: int) -> orchestrion.Model:
@@ -73,15 +74,38 @@ async def test_unmeasured_models_start_in_a_thread_and_fast_ones_come_inline() -
     assert fast_on_main[-1] is True
 
 
-async def test_slow_models_move_to_a_thread_after_three_slow_calls() -> None:
-    """An inline model taking milliseconds leaves the event loop after three slow calls."""
+async def test_slow_models_move_to_a_thread_after_a_window_of_slow_calls() -> None:
+    """An inline model taking milliseconds on every call leaves the event loop once a whole
+    window of its calls was slow."""
     slow, slow_on_main = _where(None, 0.003)
     async with orchestrion.open_server(models=[slow]) as server:
-        runner = server._registry.resolve("m")
-        runner.instances[0].inline = True  # as if it had been fast until now
-        for _ in range(6):
+        instance = server._registry.resolve("m").instances[0]
+        instance.inline, instance.window = True, 0  # as if it had been fast until now
+        for _ in range(SWITCH_WINDOW + 3):
             await server.infer("m", {"X": np.zeros(16, np.float32)})
-    assert slow_on_main == [True, True, True, False, False, False]
+    assert slow_on_main == [True] * SWITCH_WINDOW + [False] * 3
+
+
+async def test_a_fast_model_slowed_down_from_outside_stays_inline() -> None:
+    """Calls of a fast model that are slow several times in a row, but not every time (a
+    front end's thread holding the GIL, a garbage collection), keep it on the event loop.
+    Under gRPC load this used to move the steps of fused ensembles into threads for good
+    (three slow calls in a row were enough), and fusion with them."""
+    on_main: list[bool] = []
+
+    def execute(X):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        if len(on_main) % SWITCH_WINDOW:  # slow, except once per window
+            time.sleep(0.003)
+        return {"Y": X}
+
+    definition = model("m", execute, [tensor("X")], [tensor("Y")], jit=False)
+    async with orchestrion.open_server(models=[definition]) as server:
+        instance = server._registry.resolve("m").instances[0]
+        instance.inline, instance.window = True, 0
+        for _ in range(3 * SWITCH_WINDOW):
+            await server.infer("m", {"X": np.zeros(16, np.float32)})
+    assert on_main == [True] * (3 * SWITCH_WINDOW)
 
 
 async def test_a_slow_threaded_model_does_not_stall_other_requests() -> None:
