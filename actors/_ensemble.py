@@ -83,6 +83,16 @@ class Router(Protocol):
     def generation(self) -> int: ...
 
 
+@attrs.define(eq=False)
+class _Epoch:
+    """Requests on the scheduler's path that fusable requests wait for (`EnsembleRunner`)."""
+
+    runs: int = 0
+    closed: bool = False
+    """A request waits for these: later ones start a new epoch."""
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
 @attrs.frozen
 class _Plan:
     """What runs for one set of requested outputs (cached per set)."""
@@ -176,6 +186,8 @@ class EnsembleRunner:
     _steps: list[_Step] = attrs.field(init=False)
     _active: int = 0
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _epoch: _Epoch | None = None
+    """The requests of this ensemble on the scheduler's path that later ones may wait for."""
     _closing: bool = False
     _plans: dict[frozenset[str], _Plan] = attrs.field(init=False, factory=dict)
     _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
@@ -574,7 +586,18 @@ class EnsembleRunner:
                 response = await self._fused(request)
                 if response is not None:
                     return response
-            return await self._scheduled(request)
+            epoch = self._epoch
+            if epoch is None or epoch.closed:
+                epoch = self._epoch = _Epoch()
+            epoch.runs += 1
+            try:
+                return await self._scheduled(request)
+            finally:
+                epoch.runs -= 1
+                if epoch.runs == 0:
+                    epoch.done.set()
+                    if self._epoch is epoch:
+                        self._epoch = None
         finally:
             self._active -= 1
             if self._active == 0:
@@ -612,8 +635,22 @@ class EnsembleRunner:
         if len(inputs) != len(self.config.input):  # an optional input left out
             return None
         fusion = self._current_fusion()
-        if fusion is None or fusion.slow or not fusion.idle() or not self._steps_free():
+        if fusion is None or fusion.slow:
             return None
+        if not fusion.idle() or not self._steps_free():
+            epoch = self._epoch
+            if epoch is None:
+                return None  # busy with other work (a direct call, another ensemble)
+            # Busy with this ensemble's own requests on the scheduler's path: wait for those
+            # (not for any that start later) to end, rather than join them. Otherwise, under
+            # steady load, each request would find the steps busy with the previous ones and
+            # none would be fused again. A request waits at most once, and its wait counts
+            # towards its timeout.
+            epoch.closed = True
+            await epoch.done.wait()
+            fusion = self._current_fusion()
+            if fusion is None or fusion.slow or not fusion.idle() or not self._steps_free():
+                return None
         rows = batch_size(self.config.max_batch_size, inputs)
         if fusion.gathers:
             gathered = await fusion.gather(

@@ -189,6 +189,101 @@ async def test_max_inflight_requests_holds_for_fused_requests(fusion: str) -> No
     assert order == [3, 1]
 
 
+async def test_fusion_resumes_once_the_schedulers_requests_leave_the_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """max_inflight_requests=1. A batch of 3 takes the scheduler's path (compiling, 0.4 s)
+    while 8 clients send 160 requests of one row. Each arrival finds the steps busy; it
+    used to take the scheduler's path too, keeping the steps busy for the next one, so that
+    under steady load no request was fused again (seen over gRPC at concurrency 64: 93% of
+    requests scheduled). Now they wait for the scheduler's requests to leave, then are
+    fused: only the batch of 3 is scheduled, and every answer is right."""
+    async with orchestrion.open_server(models=_limited("on")) as server:
+        await server.infer("pipe", {"IN": np.ones((1, 16), np.float32)})
+        assert fused(server)
+        runner_class = type(server._registry.resolve("pipe"))
+        scheduled: list[int] = []
+        schedule = runner_class._scheduled
+
+        async def counted(self: Any, request: Any) -> Any:
+            scheduled.append(request.inputs["IN"].shape[0])
+            return await schedule(self, request)
+
+        monkeypatch.setattr(runner_class, "_scheduled", counted)
+        answers: list[np.ndarray] = []
+
+        async def client(index: int) -> None:
+            for n in range(20):
+                x = np.full((1, 16), index * 100 + n, np.float32)
+                got = await server.infer("pipe", {"IN": x})
+                np.testing.assert_array_equal(got.outputs["OUT"], x * 2 + 1)
+                answers.append(got.outputs["OUT"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.infer, "pipe", {"IN": np.ones((3, 16), np.float32)})
+            await trio.sleep(0.1)  # inside the 0.4 s compilation of a batch of 3
+            for index in range(8):
+                nursery.start_soon(client, index)
+    assert len(answers) == 160
+    assert scheduled == [3]
+
+
+async def test_a_fusable_request_waits_only_for_the_scheduled_requests_before_it() -> None:
+    """Two clients send new shapes for one output of two (the scheduler's path, at once),
+    each compiling for 0.2 s and overlapping, so that the scheduler is never empty; then a
+    request of a known shape for both outputs arrives. It waits for the scheduled requests
+    that were there when it came, not for the ones that start later: it is answered before
+    the streams end (waiting for the scheduler to empty would have it answered last)."""
+
+    def a(X: Any) -> dict[str, Any]:
+        if X.shape[0] >= 20:
+            time.sleep(0.2)  # runs while JAX traces a new shape: a long compilation
+        return {"Y": X * 2}
+
+    var = (-1,)
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN", dims=var)],
+        [tensor("OUT", dims=var), tensor("OUT2", dims=var)],
+        [
+            step("a", {"X": "IN"}, {"Y": "mid"}),
+            step("b", {"X": "mid"}, {"S": "OUT"}),
+            step("c", {"X": "mid"}, {"S": "OUT2"}),
+        ],
+    )
+    models = [
+        model("a", a, [tensor("X", dims=var)], [tensor("Y", dims=var)]),
+        model("b", lambda X: {"S": -X}, [tensor("X", dims=var)], [tensor("S", dims=var)]),
+        model("c", lambda X: {"S": X + 1}, [tensor("X", dims=var)], [tensor("S", dims=var)]),
+        with_fusion(pipe, "on"),
+    ]
+    async with orchestrion.open_server(models=models) as server:
+        for _ in range(20):
+            await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+        assert await settled(server)
+        finished: list[str] = []
+
+        async def new_shapes(first: int) -> None:
+            for size in range(first, first + 12, 2):
+                x = np.ones(size, np.float32)
+                await server.infer("pipe", {"IN": x}, outputs=["OUT"])
+            finished.append(f"stream from {first}")
+
+        async def known_shape() -> None:
+            got = await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+            np.testing.assert_array_equal(got.outputs["OUT"], -2 * np.ones(16))
+            np.testing.assert_array_equal(got.outputs["OUT2"], 3 * np.ones(16))
+            finished.append("known shape")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(new_shapes, 20)
+            await trio.sleep(0.1)
+            nursery.start_soon(new_shapes, 21)
+            await trio.sleep(0.15)
+            nursery.start_soon(known_shape)
+    assert finished[0] == "known shape"
+
+
 class _CancelAtFirstYield(trio.abc.Instrument):
     """Cancels ``scope`` as soon as ``task`` first yields to the scheduler (here: inside the
     ensemble's infer), noting whether a fusion was collecting at that moment."""
