@@ -10,7 +10,8 @@ What runs, each system in processes of its own (so each peak RSS is its own):
   functions): ``bench/pipeline.py`` on the tiny pipeline (the seed's shape: preprocess, then
   classify and segment in parallel);
 - orchestrion in-process on the image pipeline (``examples/image_pipeline``), cache off and
-  on (the example's requests reuse a pool of images, so "on" is mostly hits);
+  on (the example's requests reuse a pool of images, so "on" is mostly hits), next to the
+  example's three models called directly one request at a time (the compute alone: no server);
 - Ray Serve with DeploymentHandles (in-process) and over HTTP, on both pipelines:
   ``bench/peers/ray_serve.py`` in its own virtual environment (``bench/peers/setup_ray.sh``
   makes it; Ray is not a dependency of orchestrion);
@@ -152,6 +153,58 @@ def image_worker(concurrency: list[int], requests: int, cache: str) -> None:
     print(json.dumps(trio.run(main)))
 
 
+def image_direct_worker(requests: int) -> None:
+    """(In a child process.) The image pipeline's three models called directly, one request
+    at a time, no server: the example's compute alone. JSON on stdout."""
+    import importlib.util
+
+    import jax
+    import numpy as np
+
+    from orchestrion._examples import load_example
+
+    example = load_example("image_pipeline")
+
+    def module(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(
+            name, example.model_repository / name / "1" / "model.py"
+        )
+        assert spec is not None
+        assert spec.loader is not None
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+
+    preprocess = module("image_preprocess_model")
+    models = [module(n) for n in ("classification_model", "segmentation_model")]
+    steps = [(jax.jit(m.execute), m.initialize(None)) for m in models]
+    rng = np.random.default_rng(0)
+    inputs = [example.make_inputs(i, rng) for i in range(requests)]
+
+    def infer(x: dict[str, Any]) -> None:
+        image = preprocess.execute(x["IMAGE"])["PREPROCESSED_OUTPUT"]
+        for fn, params in steps:
+            for value in fn(params, image).values():
+                np.asarray(value)
+
+    for x in inputs[:20]:
+        infer(x)
+    latencies = []
+    began = time.perf_counter()
+    for x in inputs:
+        start = time.perf_counter()
+        infer(x)
+        latencies.append(time.perf_counter() - start)
+    took = time.perf_counter() - began
+    row = {
+        "concurrency": 1,
+        "rps": len(latencies) / took,
+        "p50_ms": float(np.percentile(latencies, 50)) * 1000,
+        "p99_ms": float(np.percentile(latencies, 99)) * 1000,
+    }
+    print(json.dumps([row]))
+
+
 def image_inprocess(concurrency: list[int], requests: int) -> list[Row]:
     """orchestrion in-process on the image pipeline, cache off and on (child processes)."""
     rows = []
@@ -178,6 +231,17 @@ def image_inprocess(concurrency: list[int], requests: int) -> list[Row]:
                     "rss_mib": rss / 1024,
                 }
             )
+    out, rss = _run([sys.executable, __file__, "--image-direct", "--requests", str(requests)])
+    rows += [
+        {
+            "pipeline": "image",
+            "system": "direct calls (no server, serial)",
+            "cache": "off",
+            **r,
+            "rss_mib": rss / 1024,
+        }
+        for r in json.loads(out)
+    ]
     return rows
 
 
@@ -421,10 +485,14 @@ def main() -> None:
     parser.add_argument("--from-json", metavar="PATH", help="re-render a saved run (rows.json)")
     parser.add_argument("--image-worker", choices=("off", "on"), help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--image-direct", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.image_worker:
         image_worker(concurrency, args.requests, args.image_worker)
+        return
+    if args.image_direct:
+        image_direct_worker(args.requests)
         return
     if args.from_json:  # re-render a saved run (the table, plots and docs), measure nothing
         saved = json.loads(Path(args.from_json).read_text())

@@ -44,7 +44,16 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         # The in-process parts only: Ray Serve and the perf_analyzer runs need downloads.
         (
             ["compare.py", "--quick", "--skip", "ray,network", "--no-docs"],
-            ["floor (hand-written trio)", "image", "peak RSS MiB"],
+            ["floor (hand-written trio)", "direct calls (no server, serial)", "peak RSS MiB"],
+        ),
+        # The canned gRPC servers answer perf_analyzer's RPCs with orchestrion's own bytes.
+        (
+            ["grpc_ceiling.py", "--check"],
+            [
+                "grpcio asyncio, canned: answers as orchestrion",
+                "grpcio sync (1 thread), canned: answers as orchestrion",
+                "grpcio sync (8 threads), canned: answers as orchestrion",
+            ],
         ),
     ],
     ids=[
@@ -59,6 +68,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "vs_triton_inprocess",
         "soak",
         "compare",
+        "grpc_ceiling",
     ],
 )
 def test_benchmark_runs(command: list[str], expected: list[str]) -> None:

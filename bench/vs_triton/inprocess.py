@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/vs_triton/inprocess.py [--requests 3000]
 
-Runs bench/vs_triton/orchestrion_models through the embedding API at concurrency 1, 4 and 8,
+Runs bench/vs_triton/orchestrion_models through the embedding API at concurrency 1 to 64,
 as it is (dynamic batching on every step) and with ``dynamic_batching`` removed from the
 configs (a copy in a temporary folder), plus a one-step ``x * 2 + 1`` model with and without
 dynamic batching. Prints requests/s and CPU µs per request (process time, all threads).
@@ -77,7 +77,7 @@ async def main(requests: int) -> None:
             config.write_text(text)
         for label, repository in (("dynamic batching", MODELS), ("no batching", plain)):
             async with orchestrion.open_server(repository) as server:
-                for concurrency in (1, 4, 8):
+                for concurrency in (1, 4, 8, 16, 64):
                     cells = await _measure(server, "ensemble", "INPUT", requests, concurrency)
                     rows.append([f"ensemble, {label}", str(concurrency), *cells])
     models = [_one_step("direct", False), _one_step("batched", True)]

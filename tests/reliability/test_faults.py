@@ -456,7 +456,7 @@ def test_redis_killed_and_restarted_twice_under_network_load(redis_server: Redis
         assert served.stop() == 0, served.text()
     _check_all(load)
     errors = [line for line in served.output if " ERROR " in line]
-    assert len(errors) == 2, errors
+    assert len(errors) == 2, "\n".join(errors)
     assert all("redis cache unavailable" in line for line in errors), errors
     assert sum("available again" in line for line in served.output) == 2
     record(
