@@ -1,9 +1,16 @@
-"""What the benchmarks share: text tables and call-count calibration."""
+"""What the benchmarks share: text tables, call-count calibration, and bench/vs_triton.sh."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
@@ -34,3 +41,25 @@ def calibrate(fn: Callable[[], object], batch_seconds: float) -> int:
         if took >= batch_seconds or calls >= 1 << 22:
             return calls
         calls = max(calls * 2, int(calls * batch_seconds / max(took, 1e-9)))
+
+
+def report_reader() -> Callable[[Path], Any]:
+    """``read`` of bench/vs_triton/report.py: one perf_analyzer result (its CSV, or its log
+    when no window was stable) as (infer/s, p50 µs, p99 µs, stable), or None."""
+    folder = str(BENCH / "vs_triton")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    from report import read  # type: ignore[import-not-found]
+
+    reader: Callable[[Path], Any] = read
+    return reader
+
+
+def run_vs_triton(settings: Mapping[str, str], quick: bool) -> Callable[[Path], Any]:
+    """Run bench/vs_triton.sh with ``settings`` (its environment variables; shorter windows
+    and fewer trials when ``quick``); returns `report_reader`'s ``read``."""
+    env = {**os.environ, **settings}
+    if quick:
+        env |= {"MEASUREMENT_INTERVAL": "1500", "MAX_TRIALS": "4"}
+    subprocess.run(["bash", str(BENCH / "vs_triton.sh")], check=True, env=env)
+    return report_reader()

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _common import run_vs_triton
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 DOCS = ROOT / "docs"
@@ -293,16 +295,12 @@ def ray_rows(document: Any) -> list[Row]:
 def network(concurrency: list[int], servers: list[str], quick: bool) -> list[Row]:
     """orchestrion and Triton under perf_analyzer (bench/vs_triton.sh)."""
     results = BENCH / ".peers" / "compare"
-    env = {
+    settings = {
         "SERVERS": " ".join(servers),
         "CONCURRENCY": " ".join(map(str, concurrency)),
         "RESULTS": str(results),
     }
-    if quick:
-        env |= {"MEASUREMENT_INTERVAL": "1500", "MAX_TRIALS": "4"}
-    subprocess.run(["bash", str(BENCH / "vs_triton.sh")], check=True, env={**os.environ, **env})
-    sys.path.insert(0, str(BENCH / "vs_triton"))
-    from report import read  # type: ignore[import-not-found]
+    read = run_vs_triton(settings, quick)
 
     rows = []
     for server in servers:

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import report_reader, run_vs_triton, table
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PEERS = BENCH / ".peers"
@@ -238,8 +240,7 @@ def measure_canned(
     concurrency: list[int], results: Path, quick: bool
 ) -> dict[tuple[str, int], Any]:
     """Each canned server in turn, perf_analyzer at each concurrency."""
-    sys.path.insert(0, str(BENCH / "vs_triton"))
-    from report import read  # type: ignore[import-not-found]
+    read = report_reader()
 
     answers = results / "answers.pickle"
     capture(answers)
@@ -263,18 +264,14 @@ def measure_canned(
 
 def measure_servers(concurrency: list[int], results: Path, quick: bool) -> dict[str, Any]:
     """Triton and orchestrion over gRPC, cache off and hits, through vs_triton.sh."""
-    env = {
+    settings = {
         "SERVERS": "triton orchestrion",
         "PROTOCOLS": "grpc",
         "CACHE": "off on",
         "CONCURRENCY": " ".join(map(str, concurrency)),
         "RESULTS": str(results),
     }
-    if quick:
-        env |= {"MEASUREMENT_INTERVAL": "1500", "MAX_TRIALS": "4"}
-    subprocess.run(["bash", str(BENCH / "vs_triton.sh")], check=True, env={**os.environ, **env})
-    sys.path.insert(0, str(BENCH / "vs_triton"))
-    from report import read
+    read = run_vs_triton(settings, quick)
 
     names = {"triton": "Triton 2.51", "orchestrion": "orchestrion"}
     return {
@@ -289,9 +286,6 @@ def measure_servers(concurrency: list[int], results: Path, quick: bool) -> dict[
 
 def render(found: dict[tuple[str, int], Any], concurrency: list[int]) -> str:
     """The table: each row against Triton's (cache off, cache hits) at the same concurrency."""
-    sys.path.insert(0, str(BENCH))
-    from _common import table
-
     labels = list(dict.fromkeys(label for label, _ in found))
     rows = []
     for label in labels:
