@@ -18,7 +18,13 @@ import attrs
 import trio
 
 from ._server import AsyncServer
-from .protocols import InvalidRequestError, ModelControlError, OrchestrionError
+from .protocols import (
+    ConfigError,
+    InvalidRequestError,
+    ModelControlError,
+    ModelLoadError,
+    OrchestrionError,
+)
 
 _log = logging.getLogger("orchestrion")
 
@@ -82,7 +88,13 @@ class ModelControl:
                     "not supported: change the repository instead"
                 )
         _check_name(name)
-        await self.server.load_model(name)
+        try:
+            await self.server.load_model(name)
+        except (ConfigError, ModelLoadError) as exc:
+            # The operator gets the whole story in the log; the client, paths relative to
+            # the repository (where the server's files live is none of its business).
+            _log.warning("loading model '%s' failed: %s", name, exc)
+            raise _without_repository(exc, self.server.model_repository) from None
         self._expected.add(name)
         _log.info("loaded model '%s'", name)
 
@@ -192,3 +204,19 @@ def _check_name(name: str) -> None:
             f"invalid model name {name!r:.80}...: longer than a folder name can be "
             f"({NAME_MAX} bytes)"
         )
+
+
+def _without_repository(error: ConfigError | ModelLoadError, root: Path | None) -> Exception:
+    """``error`` with the repository's own path taken out of its message."""
+    if root is None:
+        return error
+    prefixes = sorted({f"{root}/", f"{root.resolve()}/"}, key=len, reverse=True)
+
+    def relative(text: str) -> str:
+        for prefix in prefixes:
+            text = text.replace(prefix, "")
+        return text
+
+    if isinstance(error, ConfigError):
+        return ConfigError([relative(line) for line in error.errors])
+    return ModelLoadError(relative(str(error)))

@@ -9,6 +9,7 @@ failure on the first request.
 from __future__ import annotations
 
 import inspect
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,13 @@ class Model:
         version: the version number this definition is served as.
         source: where the code came from (its ``model.py``), for error messages.
         config_source: where the config came from, for error messages.
+        revision: identifies this code and config in response-cache keys, so that no
+            answer of another revision is ever served from the cache. A repository's model
+            gets a fingerprint of its ``config.pbtxt`` and version folder (equal files, equal
+            revision: replicas of one deploy share a Redis cache; a reload or another deploy
+            does not). A model made in Python gets a random one unless given: pass the
+            same string in every process (and change it with the code or its data) to share
+            cached answers across processes.
     """
 
     config: ModelConfig
@@ -57,6 +65,7 @@ class Model:
     source: str = "<python>"
     config_source: str = "<python>"
     """Where the config came from (its ``config.pbtxt``), for error messages."""
+    revision: str = attrs.field(factory=lambda: secrets.token_hex(16))
 
     @property
     def name(self) -> str:

@@ -179,6 +179,9 @@ class EnsembleRunner:
     router: Router
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
+    revision: str = ""
+    """The fingerprint of the ensemble's own config (`Model.revision`); its cache keys also
+    take its composing models' (`ModelRegistry.revision`)."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
@@ -738,20 +741,18 @@ class EnsembleRunner:
             if tensor.reshape is not None:  # the client sees an output's dims
                 value = undo_reshape(tensor, value, mbs)
             outputs[tensor.name] = value
-        parameters: dict[str, ParameterValue] = {}
-        if request.sequence_id not in (0, ""):  # a sequence's request: say which, as a step would
-            parameters = {
-                "sequence_id": request.sequence_id,
-                "sequence_start": request.sequence_start,
-                "sequence_end": request.sequence_end,
-            }
         return InferResponse(
             model_name=self.config.name,
             model_version=self.version,
             request_id=request.request_id,
             outputs=outputs,
-            parameters=parameters,
+            parameters=self.response_parameters(request),
         )
+
+    def response_parameters(self, request: InferRequest) -> dict[str, ParameterValue]:
+        """The parameters of a response to ``request``: a sequence's request says which, as a
+        step would (a cache hit gets them here too, never from the stored entry)."""
+        return request.sequence_parameters()
 
     # -- streaming (an ensemble with a decoupled step) --------------------------------------
 

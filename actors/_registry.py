@@ -25,6 +25,7 @@ from typing import Protocol
 
 import attrs
 import trio
+import xxhash
 from opentelemetry.trace import Span
 
 from ..caches import CacheActor, Flight
@@ -40,6 +41,7 @@ from ..protocols import (
     ModelStatistics,
     Observer,
     OrchestrionError,
+    ParameterValue,
     ServerClosedError,
     StepStatistics,
     TensorChecker,
@@ -83,6 +85,11 @@ class Runner(Protocol):
     async def run_alone(self, request: InferRequest) -> InferResponse | None: ...
 
     def statistics(self) -> ModelStatistics: ...
+
+    def response_parameters(self, request: InferRequest) -> Mapping[str, ParameterValue]: ...
+
+    @property
+    def revision(self) -> str: ...
 
 
 def _check_requested(request: InferRequest, response: InferResponse) -> None:
@@ -147,11 +154,14 @@ class ModelRegistry:
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _closing: bool = False
     _draining: list[EnsembleRunner] = attrs.field(factory=list)
+    """Unloaded (or replaced) ensembles whose running requests have not all finished."""
     _streaming: dict[str, bool] = attrs.field(factory=dict)
+    """`decoupled` answers, cleared whenever the set of loaded models changes."""
     generation: int = 0
     """Counts the changes to the set of loaded runners (a load, a reload, an unload)."""
-    """`decoupled` answers, cleared whenever the set of loaded models changes."""
-    """Unloaded (or replaced) ensembles whose running requests have not all finished."""
+    _revisions: dict[tuple[str, int], str] = attrs.field(factory=dict)
+    """`revision` of each runner, valid while the generation is `_revisions_at`."""
+    _revisions_at: int = -1
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -166,8 +176,8 @@ class ModelRegistry:
         if not versions:
             if self._closing:
                 raise ServerClosedError("the server is shutting down")
-            loaded = ", ".join(sorted(self._runners)) or "none"
-            raise ModelNotFoundError(f"unknown model '{name}' (loaded models: {loaded})")
+            # Which other models are loaded is not the caller's business (a network client's).
+            raise ModelNotFoundError(f"unknown model '{name}': no model of that name is loaded")
         if version <= 0:
             return versions[max(versions)]
         runner = versions.get(version)
@@ -177,6 +187,36 @@ class ModelRegistry:
                 f"(loaded versions: {', '.join(map(str, sorted(versions)))})"
             )
         return runner
+
+    def revision(self, runner: Runner) -> str:
+        """The fingerprint of everything that computes ``runner``'s answers: its own code and
+        config, and for an ensemble each step's model as resolved now (recursively). A load,
+        reload or unload changes it, so the cache never answers with another revision's
+        result."""
+        key = (runner.config.name, runner.version)
+        if self._revisions_at != self.generation:
+            self._revisions.clear()
+            self._revisions_at = self.generation
+        found = self._revisions.get(key)
+        if found is None:
+            found = self._revisions[key] = self._compute_revision(runner, ())
+        return found
+
+    def _compute_revision(self, runner: Runner, path: tuple[str, ...]) -> str:
+        scheduling = runner.config.ensemble_scheduling
+        if scheduling is None or runner.config.name in path:  # a cycle is refused at load
+            return runner.revision
+        hasher = xxhash.xxh3_128(runner.revision.encode())
+        for step in scheduling.step:
+            try:
+                used = self.resolve(step.model_name, step.model_version)
+            except OrchestrionError:  # being unloaded: the request will fail anyway
+                hasher.update(b"\0missing")
+                continue
+            inner = self._compute_revision(used, (*path, runner.config.name))
+            for part in (used.config.name, str(used.version), inner):
+                hasher.update(len(part).to_bytes(8, "little") + part.encode())
+        return hasher.hexdigest()
 
     def model_names(self) -> list[str]:
         """Names of the loaded models, sorted."""
@@ -367,7 +407,13 @@ class ModelRegistry:
             wanted = request.requested_outputs
             if wanted is not None and wanted >= runner.output_names:
                 wanted = None  # everything: the same response as asking for nothing
-            key = cache_key(runner.config.name, runner.version, request.inputs, wanted)
+            key = cache_key(
+                runner.config.name,
+                runner.version,
+                request.inputs,
+                wanted,
+                revision=self.revision(runner),
+            )
             looking = time.perf_counter_ns()
             flight = await cache.begin(key)
             try:
@@ -401,7 +447,7 @@ class ModelRegistry:
                         model_version=runner.version,
                         request_id=request.request_id,
                         outputs=shared_outputs(flight.entry, request.requested_outputs),
-                        parameters=flight.entry.parameters,
+                        parameters=runner.response_parameters(request),
                     )
                 else:
                     response = await self._run_for_cache(runner, request, flight)
@@ -584,7 +630,9 @@ class ModelRegistry:
             raise
         try:
             for model in ensembles:
-                ensemble = EnsembleRunner(model.config, model.version, self, self.observer)
+                ensemble = EnsembleRunner(
+                    model.config, model.version, self, self.observer, revision=model.revision
+                )
                 await start(ensemble, ensemble.serve)
         except BaseException:  # cancelled while starting: stop what was started
             await self._close_runners(started)

@@ -4,7 +4,8 @@ Layout: ``<root>/<model>/config.pbtxt`` and numbered version folders
 ``<root>/<model>/<version>/model.py``. Folder names that are not positive integers (or that
 start with ``0``) are not versions and are ignored. ``version_policy`` picks which versions
 are served (default: the latest one). `scan_repository` reads configs only and reports every
-problem it finds; `load_model_code` imports one version's ``model.py``.
+problem it finds; `load_model_code` imports one version's ``model.py``, and fingerprints the
+config and the version folder (`revision`), so that cached answers never outlive the code.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import xxhash
 
-from ..protocols import ConfigError, ModelConfig, ModelLoadError, VersionPolicy, parse_model_config
+from ..protocols import (
+    ConfigError,
+    ModelConfig,
+    ModelLoadError,
+    VersionPolicy,
+    format_model_config,
+    parse_model_config,
+)
 from ._definition import Model, check_model
 
 CONFIG_FILE = "config.pbtxt"
@@ -128,6 +137,44 @@ def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
     return entries, errors
 
 
+_SKIPPED = ("__pycache__",)
+
+
+def revision(entry: RepositoryEntry, version: int) -> str:
+    """The fingerprint of what answers for ``version`` of ``entry``: its config (as parsed,
+    so formatting does not matter) and every file of its version folder (names and bytes,
+    the model's helpers and weights too; byte caches skipped). Equal on every replica that
+    has the same files; different once any of them changes.
+
+    Raises:
+        ModelLoadError: a file of the version folder cannot be read.
+    """
+    hasher = xxhash.xxh3_128()
+
+    def part(data: bytes) -> None:
+        hasher.update(len(data).to_bytes(8, "little"))
+        hasher.update(data)
+
+    part(format_model_config(entry.config).encode())
+    folder = entry.path / str(version)
+    try:
+        files = sorted(
+            p
+            for p in folder.rglob("*")
+            if p.is_file() and not any(s in p.relative_to(folder).parts for s in _SKIPPED)
+        )
+        for path in files:
+            part(path.relative_to(folder).as_posix().encode())
+            with path.open("rb") as handle:
+                size = path.stat().st_size
+                hasher.update(size.to_bytes(8, "little"))
+                while chunk := handle.read(1 << 20):
+                    hasher.update(chunk)
+    except OSError as exc:
+        raise ModelLoadError(f"{folder}: cannot be read: {exc}") from exc
+    return hasher.hexdigest()
+
+
 def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     """Import the ``model.py`` of one version and bind it to its config.
 
@@ -138,8 +185,9 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     """
     config = entry.config
     config_source = str(entry.path / CONFIG_FILE)
+    fingerprint = revision(entry, version)
     if config.is_ensemble:
-        return Model(config=config, version=version, source=config_source)
+        return Model(config=config, version=version, source=config_source, revision=fingerprint)
     path = entry.model_file(version)
     module_name = f"_orchestrion_models.m{next(_module_ids)}_{entry.name}_v{version}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -162,6 +210,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         version=version,
         source=str(path),
         config_source=config_source,
+        revision=fingerprint,
     )
     errors = check_model(model)
     if errors:

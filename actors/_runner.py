@@ -1066,20 +1066,23 @@ class ModelRunner:
         wanted = request.requested_outputs
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
-        parameters: dict[str, ParameterValue] = {}
-        if self._stateful:
-            parameters = {
-                "sequence_id": request.sequence_id,
-                "sequence_start": request.sequence_start,
-                "sequence_end": request.sequence_end,
-            }
         return InferResponse(
             model_name=self.model.name,
             model_version=self.model.version,
             request_id=request.request_id,
             outputs=outputs,
-            parameters=parameters,
+            parameters=self.response_parameters(request),
         )
+
+    @property
+    def revision(self) -> str:
+        """The fingerprint of the code and config this runner runs (`Model.revision`)."""
+        return self.model.revision
+
+    def response_parameters(self, request: InferRequest) -> dict[str, ParameterValue]:
+        """The parameters of a response to ``request``: a stateful model says which sequence
+        it answered; others none (a cache hit gets them here, never from the entry)."""
+        return request.sequence_parameters() if self._stateful else {}
 
 
 def batch_size(max_batch_size: int, inputs: Tensors) -> int:

@@ -19,7 +19,9 @@ request wait: they are queued and the workers write them (dropped, and counted, 
 is full); until a queued insert is written, lookups of its key are answered from the queue,
 so a request that follows a miss always hits. When the backend fails, the actor answers
 "miss" and drops inserts for the cache's ``retry_interval``, logs one error per outage, and
-logs again when it recovers.
+logs again when it recovers. A backend that answers but refuses to store (`InsertRefusedError`:
+a full Redis) is not down: lookups go on, the refused entries are counted as not stored, and
+one warning is logged when the refusals begin (at most one a minute).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..protocols import (
     CacheStatistics,
     CacheUnavailableError,
     InferResponse,
+    OrchestrionError,
     frozen_outputs,
 )
 from ._protocol import ResponseCache
@@ -49,6 +52,21 @@ QUEUE_SIZE = 1024
 """Operations that may wait for the workers; lookups beyond it wait for room."""
 MAX_BATCH = 256
 """Operations one worker hands to the cache at once."""
+
+
+class InsertRefusedError(OrchestrionError, RuntimeError):
+    """The cache's backend answered, but refused to store ``refused`` of the entries given
+    to `ResponseCache.insert` (a Redis at its ``maxmemory`` with the policy noeviction, a
+    read-only replica, an ACL that forbids writes).
+
+    The operator's to fix (more memory, an eviction policy, a TTL). It is not an outage: the
+    cache actor keeps looking entries up, counts the refused ones as not stored and logs one
+    warning when the refusals begin.
+    """
+
+    def __init__(self, message: str, *, refused: int) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @attrs.define(eq=False)
@@ -62,19 +80,24 @@ class Throttled:
     _next_at: float = float("-inf")
     _held: int = 0
 
-    def warning(self, message: str, *args: object) -> None:
-        """Log ``message % args`` as a warning, unless one went out in the last ``every`` s."""
+    def warning(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` as a warning, unless one went out in the last ``every`` s.
+
+        Returns:
+            whether it was logged as a warning (False: held back, at DEBUG).
+        """
         now = time.monotonic()
         if now < self._next_at:
             self._held += 1
             self.logger.debug(message, *args)
-            return
+            return False
         if self._held:
             message += " (and %d more like it in the last %.0f s)"
             args = (*args, self._held, self.every)
         self._held = 0
         self._next_at = now + self.every
         self.logger.warning(message, *args)
+        return True
 
 
 @attrs.define(eq=False, slots=True)
@@ -107,9 +130,7 @@ class Flight:
 
     def store(self, response: InferResponse) -> None:
         """Cache ``response`` (a successful one) and hand it to the waiting requests."""
-        entry = CacheEntry(
-            key=self.key, outputs=frozen_outputs(response.outputs), parameters=response.parameters
-        )
+        entry = CacheEntry(key=self.key, outputs=frozen_outputs(response.outputs))
         start = time.perf_counter_ns()
         self.entry = entry
         self._actor._insert(entry)
@@ -172,6 +193,11 @@ class CacheActor:
     """Entries found that did not fit their request (counted as misses too)."""
     _send: trio.MemorySendChannel[_Lookup | _Insert] | None = None
     _misfits: Throttled = attrs.field(factory=lambda: Throttled(_log))
+    _refusing: bool = False
+    """The backend refuses writes (since the last insert it took whole)."""
+    _refusal_warned: bool = False
+    """The warning for the refusals going on now went out (not held back)."""
+    _refusals: Throttled = attrs.field(factory=lambda: Throttled(_log))
 
     # -- the request side ------------------------------------------------------------------
 
@@ -281,11 +307,14 @@ class CacheActor:
             start = time.perf_counter_ns()
             try:
                 self.cache.insert_nowait(entry)
+            except InsertRefusedError as exc:
+                self._refused(exc, 1)
             except Exception as exc:
                 self._failed(exc)
                 self.insert_failures += 1
             else:
                 self._recovered()
+                self._accepted()
                 self.insertions += 1
             self.insert_ns += time.perf_counter_ns() - start
             return
@@ -333,6 +362,31 @@ class CacheActor:
         if not self._available:
             self._available = True
             _log.warning("%s cache is available again; caching resumed", self.name)
+
+    def _refused(self, exc: InsertRefusedError, count: int) -> None:
+        """The backend answered but did not store ``exc.refused`` of ``count`` entries: not
+        an outage (lookups go on); warn once when the refusals begin, at most once a minute
+        (a Redis just at its limit takes a write now and then, refuses the next ones)."""
+        refused = max(0, min(exc.refused, count))
+        self.insert_failures += refused
+        self.insertions += count - refused
+        if self._refusing:
+            _log.debug("%s cache still refuses writes: %s", self.name, exc)
+            return
+        self._refusing = True
+        self._refusal_warned = self._refusals.warning(
+            "%s cache refused to store responses (%s); stored ones are still served, new ones "
+            "are not cached until it takes writes again",
+            self.name,
+            exc,
+        )
+
+    def _accepted(self) -> None:
+        """An insert was stored whole: the refusals, if any, are over."""
+        if self._refusing:
+            self._refusing = False
+            level = logging.INFO if self._refusal_warned else logging.DEBUG
+            _log.log(level, "%s cache takes writes again; responses are stored", self.name)
 
     # -- the workers -----------------------------------------------------------------------
 
@@ -412,11 +466,14 @@ class CacheActor:
         self.batches += 1
         try:
             await self.cache.insert(inserts)
+        except InsertRefusedError as exc:
+            self._refused(exc, len(inserts))
         except Exception as exc:
             self._failed(exc)
             self.insert_failures += len(inserts)
         else:
             self._recovered()
+            self._accepted()
             self.insertions += len(inserts)
         self.insert_ns += time.perf_counter_ns() - start
 

@@ -7,7 +7,9 @@ trip to Redis; the cache actor gathers the batches (up to ``pool_size`` at once)
 thread hop is paid per batch, not per request. Values are orchestrion's data-only entry
 format (`encode_entry`), under ``<prefix><32 hex digits>``, with an optional TTL. Every
 redis-py error becomes a `CacheUnavailableError`, which the actor turns into uncached
-service until Redis answers again.
+service until Redis answers again; except error replies to SETs (a full Redis answers OOM,
+a replica READONLY), which become an `InsertRefusedError`: Redis is up and still serves
+reads, only the refused entries are lost.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..protocols import (
     option_bool,
     option_int,
 )
-from ._actor import Throttled
+from ._actor import InsertRefusedError, Throttled
 from ._protocol import ResponseCache
 
 _log = logging.getLogger("orchestrion.caches")
@@ -127,7 +129,12 @@ class RedisCache(ResponseCache):
             return None
 
     async def insert(self, entries: Sequence[CacheEntry]) -> None:
-        """One pipelined round trip of SETs (with the TTL, if any)."""
+        """One pipelined round trip of SETs (with the TTL, if any).
+
+        Raises:
+            CacheUnavailableError: Redis cannot be reached, or did not answer in time.
+            InsertRefusedError: Redis answered some SETs with an error (a full Redis: OOM).
+        """
         # Encoding copies the tensors: done in the worker thread, off the event loop.
         await trio.to_thread.run_sync(self._set_many, list(entries), limiter=self._limiter)
 
@@ -138,9 +145,18 @@ class RedisCache(ResponseCache):
             pipe = self._client.pipeline(transaction=False)
             for name, value in items:
                 pipe.set(name, value, ex=ttl)
-            pipe.execute()
+            # An error reply (OOM, READONLY) comes back in its SET's place: the connection is
+            # fine and every other reply is read, so one refusal is not taken for an outage.
+            replies = pipe.execute(raise_on_error=False)
         except redis.exceptions.RedisError as exc:
             raise CacheUnavailableError(f"Redis at {self.address}: {exc}") from exc
+        refusals = [r for r in replies if isinstance(r, redis.exceptions.ResponseError)]
+        if refusals:
+            raise InsertRefusedError(
+                f"Redis at {self.address} refused {len(refusals)} of {len(items)} writes: "
+                f"{_reply(refusals[0])}",
+                refused=len(refusals),
+            ) from refusals[0]
 
     async def aclose(self) -> None:
         """Close every pooled connection (closing sockets does not block)."""
@@ -248,6 +264,12 @@ async def open_redis_cache(config: CacheConfig) -> RedisCache:
         concurrency=kwargs["max_connections"],
         retry_interval=option_int(config, "retry_interval", 1000, minimum=1) / 1000,
     )
+
+
+def _reply(exc: redis.exceptions.ResponseError) -> str:
+    """Redis's error reply as Redis wrote it (redis-py strips a known code such as ``OOM``)."""
+    code = exc.status_code
+    return f"{code} {exc}" if code and not str(exc).startswith(code) else str(exc)
 
 
 def _refused(exc: Exception) -> bool:

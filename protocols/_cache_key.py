@@ -1,13 +1,17 @@
 """Response-cache keys and entries, and the data-only format entries are stored in.
 
-How this works: `cache_key` hashes, with xxh3-128, the model name, its resolved version and
-each input's name, data type, shape and bytes, inputs in name order (so the order a client
-sends them in does not matter). Array memory is hashed in place, never copied (only a
-non-contiguous array is made contiguous first). Next to the 16-byte digest the key keeps the
-request's *signature* (model, version, and each input's name, type, shape and byte length);
-an entry stores the signature of the request that produced it and a hit is accepted only when
-the two match, so even a hash collision between requests of different shapes cannot return a
-wrong answer.
+How this works: `cache_key` hashes, with xxh3-128, the model name, its resolved version, its
+*revision* (a fingerprint of the code and config that answer, so a reload or another deploy's
+entries never answer) and each input's name, data type, shape and bytes, inputs in name order
+(so the order a client sends them in does not matter). Array memory is hashed in place, never
+copied (only a non-contiguous array is made contiguous first). Next to the 16-byte digest the
+key keeps the request's *signature* (model, version, revision, and each input's name, type,
+shape and byte length); an entry stores the signature of the request that produced it and a
+hit is accepted only when the two match, so even a hash collision between requests of
+different shapes cannot return a wrong answer.
+
+An entry holds outputs only, never response parameters: those describe the request that asked
+(its sequence id, say), so a hit's parameters are made from the hitting request itself.
 
 `encode_entry`/`decode_entry` are the format of caches that store bytes (Redis): a JSON
 header that describes the tensors, then their raw bytes. Nothing is ever unpickled.
@@ -19,7 +23,7 @@ import functools
 import json
 import struct
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
 
 import attrs
@@ -27,12 +31,12 @@ import numpy as np
 import xxhash
 
 from ._dtypes import DataType
-from ._messages import ParameterValue, Tensors
+from ._messages import Tensors
 
 TensorSignature: TypeAlias = tuple[str, str, tuple[int, ...], int]
 """One input as a cache key sees it: (name, protocol data type, shape, byte length)."""
 
-_MAGIC = b"ORCHCE2\n"  # orchestrion cache entry, format 2 (format 1 had no "requested")
+_MAGIC = b"ORCHCE3\n"  # orchestrion cache entry, format 3 (2 stored parameters, no revision)
 _LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<q")
 
@@ -46,6 +50,8 @@ class CacheKey:
     """The 16-byte xxh3-128 digest of the full key material."""
     model_name: str
     model_version: int
+    revision: str = ""
+    """The fingerprint of the code and config that answered (see ``Runner.revision``)."""
     signature: tuple[TensorSignature, ...]
     """The inputs, in name order."""
     outputs: tuple[str, ...] | None = None
@@ -59,14 +65,14 @@ class CacheKey:
 
 @attrs.frozen(kw_only=True)
 class CacheEntry:
-    """A stored response: its key and the outputs and parameters of the response.
+    """A stored response: its key and the outputs of the response.
 
-    Output arrays are read-only; an entry is shared by every request that hits it.
+    Output arrays are read-only; an entry is shared by every request that hits it. Response
+    parameters are not stored: they belong to the request that asked.
     """
 
     key: CacheKey
     outputs: Tensors = attrs.field(eq=False, repr=False)
-    parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +87,7 @@ class CacheEntry:
             and mine.signature == key.signature
             and mine.model_name == key.model_name
             and mine.model_version == key.model_version
+            and mine.revision == key.revision
             and mine.outputs == key.outputs
         )
 
@@ -128,9 +135,17 @@ def _input_header(name: str, type_name: str, shape: tuple[int, ...], nbytes: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _model_header(model_name: str, model_version: int) -> bytes:
-    name = model_name.encode()
-    return _HEADER.pack(len(name)) + name + _HEADER.pack(model_version)
+def _model_header(model_name: str, model_version: int, revision: str) -> bytes:
+    name, fingerprint = model_name.encode(), revision.encode()
+    return b"".join(
+        [
+            _HEADER.pack(len(name)),
+            name,
+            _HEADER.pack(model_version),
+            _HEADER.pack(len(fingerprint)),
+            fingerprint,
+        ]
+    )
 
 
 def _raw(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -153,6 +168,8 @@ def cache_key(
     model_version: int,
     inputs: Tensors,
     outputs: Iterable[str] | None = None,
+    *,
+    revision: str = "",
 ) -> CacheKey:
     """The cache key of a request for ``model_name`` at its resolved ``model_version``.
 
@@ -163,11 +180,14 @@ def cache_key(
         outputs: the outputs the request asked for when it asked for only some of them
             (an ensemble prunes its steps for them, so the response depends on them);
             None when it wants them all.
+        revision: the fingerprint of the code and config of the version that answers (for
+            an ensemble, its composing models' too): after a reload, or on a replica that
+            runs other code, the same request has another key.
 
     Returns:
         the key; equal inputs give equal keys whatever their order in ``inputs``.
     """
-    hasher = xxhash.xxh3_128(_model_header(model_name, model_version))
+    hasher = xxhash.xxh3_128(_model_header(model_name, model_version, revision))
     signature: list[TensorSignature] = []
     for input_name in sorted(inputs):
         array = inputs[input_name]
@@ -199,6 +219,7 @@ def cache_key(
         digest=hasher.digest(),
         model_name=model_name,
         model_version=model_version,
+        revision=revision,
         signature=tuple(signature),
         outputs=wanted,
     )
@@ -240,8 +261,6 @@ def entry_cost(entry: CacheEntry, key_size: int = 0) -> int:
         cost += sys.getsizeof(name) + header + _data_nbytes(array)
         if array.dtype.kind == "O":
             cost += sum(sys.getsizeof(e) - len(_element(e)) for e in array.flat)
-    for name, value in entry.parameters.items():
-        cost += sys.getsizeof(name) + sys.getsizeof(value)
     return cost
 
 
@@ -262,11 +281,11 @@ def encode_entry(entry: CacheEntry) -> bytes:
         {
             "model": entry.key.model_name,
             "version": entry.key.model_version,
+            "revision": entry.key.revision,
             "digest": entry.key.hex,
             "signature": [[n, t, list(s), b] for n, t, s, b in entry.key.signature],
             "requested": list(entry.key.outputs) if entry.key.outputs is not None else None,
             "outputs": header_outputs,
-            "parameters": dict(entry.parameters),
         },
         separators=(",", ":"),
     ).encode()
@@ -296,10 +315,10 @@ def decode_entry(data: bytes) -> CacheEntry:
             digest=bytes.fromhex(header["digest"]),
             model_name=str(header["model"]),
             model_version=int(header["version"]),
+            revision=str(header["revision"]),
             signature=signature,
             outputs=None if requested is None else tuple(str(n) for n in requested),
         )
-        parameters = _parameters(header["parameters"])
         described = [
             (str(n), str(t), tuple(int(d) for d in s), int(b)) for n, t, s, b in header["outputs"]
         ]
@@ -315,18 +334,7 @@ def decode_entry(data: bytes) -> CacheEntry:
         outputs[name] = _tensor(name, type_name, shape, chunk)
     if offset != len(view):
         raise ValueError(f"cache entry has {len(view) - offset} unexpected trailing bytes")
-    return CacheEntry(key=key, outputs=outputs, parameters=parameters)
-
-
-def _parameters(raw: object) -> dict[str, ParameterValue]:
-    if not isinstance(raw, dict):
-        raise TypeError("parameters is not an object")
-    out: dict[str, ParameterValue] = {}
-    for name, value in raw.items():
-        if not isinstance(value, str | int | float | bool):
-            raise TypeError(f"parameter {name!r} has a value of type {type(value).__name__}")
-        out[str(name)] = value
-    return out
+    return CacheEntry(key=key, outputs=outputs)
 
 
 def _tensor(

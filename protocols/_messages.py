@@ -51,6 +51,18 @@ class InferRequest:
     OpenTelemetry ``Context`` when the server traces). Travels with the message, so
     long-lived actors never rely on task-local context."""
 
+    def sequence_parameters(self) -> dict[str, ParameterValue]:
+        """The response parameters that say which sequence this request belongs to (empty
+        for a request outside a sequence): what a response to it echoes, whoever computed
+        the outputs (a cache hit included)."""
+        if self.sequence_id in (0, ""):
+            return {}
+        return {
+            "sequence_id": self.sequence_id,
+            "sequence_start": self.sequence_start,
+            "sequence_end": self.sequence_end,
+        }
+
     def with_trace(self, trace: object | None) -> InferRequest:
         """This request with another tracing context (the span that now covers it)."""
         return self.derive(

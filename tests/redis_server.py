@@ -89,6 +89,39 @@ class RedisServer:
         self.stop()
         raise RuntimeError(f"redis-server did not listen on port {self.port} within 10 s")
 
+    def fill(self, size: int = 2 << 20, over: int = 256 << 10) -> int:
+        """Make this Redis full: filler keys (``filler:<n>``, outside orchestrion's prefix) of
+        ``size`` bytes in all, then ``maxmemory`` set ``over`` bytes below what Redis uses,
+        policy noeviction (Redis's default). From then on Redis refuses every write with OOM
+        and still answers reads, until memory is freed (``CONFIG SET maxmemory 0`` lifts the
+        limit). (A Redis filled exactly to its limit accepts small writes again whenever a
+        client's buffers shrink: the margin keeps this one full.)
+
+        Returns:
+            how many filler keys were stored.
+
+        Raises:
+            RuntimeError: Redis still accepted a write.
+        """
+        import redis  # here: only this method needs a client
+
+        block = 64 << 10
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            fillers = size // block
+            for n in range(fillers):
+                client.set(f"filler:{n}", b"x" * block)
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", used - over)
+            try:
+                client.set("filler:probe", b"x")
+            except redis.exceptions.OutOfMemoryError:
+                return fillers
+            raise RuntimeError(f"Redis still accepts writes with maxmemory {used - over}")
+        finally:
+            client.close()
+
     def kill(self) -> None:
         """Kill the server at once (SIGKILL), as a crash would."""
         if self.process is not None:

@@ -617,7 +617,7 @@ async def test_followers_of_a_cancelled_leader_still_get_the_stored_entry(
     """The leader is cancelled during its lookup: the 8 identical requests waiting on it
     are answered from the entry the cache holds, without running the model."""
     cache = GatedCache()
-    key = cache_key("m", 1, {"X": X})
+    key = cache_key("m", 1, {"X": X}, revision="stored")
     cache.entries[key.digest] = CacheEntry(key=key, outputs=frozen_outputs({"Y": X + 1}))
 
     async def open_gated(settings: Any) -> ResponseCache:
@@ -631,6 +631,7 @@ async def test_followers_of_a_cancelled_leader_still_get_the_stored_entry(
         return {"Y": X + 1}
 
     m = cached(model("m", execute, [tensor("X")], [tensor("Y")], jit=False))
+    m.revision = "stored"  # the revision the stored entry was made by
     async with orchestrion.open_server(models=[m], cache_config="gated,x=1") as server:
         async with trio.open_nursery() as nursery:
             leader = trio.CancelScope()

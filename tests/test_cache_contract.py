@@ -73,18 +73,16 @@ async def opened(flags: list[str]) -> ResponseCache:
 
 
 def make_entry(tag: float, **outputs: Any) -> CacheEntry:
-    key = cache_key("m", 1, {"X": np.full(4, tag, np.float32)})
+    key = cache_key("m", 1, {"X": np.full(4, tag, np.float32)}, revision="contract")
     return CacheEntry(
-        key=key,
-        outputs=frozen_outputs(outputs or {"Y": np.full(8, tag, np.float32)}),
-        parameters={"tag": tag, "source": "contract"},
+        key=key, outputs=frozen_outputs(outputs or {"Y": np.full(8, tag, np.float32)})
     )
 
 
 def same(a: CacheEntry | None, b: CacheEntry) -> None:
     assert a is not None
     assert a.matches(b.key)
-    assert dict(a.parameters) == dict(b.parameters)
+    assert a.key == b.key
     assert list(a.outputs) == list(b.outputs)
     for name, array in b.outputs.items():
         got = a.outputs[name]
@@ -112,7 +110,8 @@ async def test_lookup_of_an_empty_cache_misses(cache_config: list[str]) -> None:
 
 
 async def test_insert_then_lookup_round_trips(cache_config: list[str]) -> None:
-    """What is inserted comes back equal: tensors of every kind, and parameters."""
+    """What is inserted comes back equal: the key (revision included) and tensors of every
+    kind."""
     entries = [
         make_entry(1),
         make_entry(
@@ -171,7 +170,7 @@ async def test_the_actor_drives_every_cache(cache_config: list[str]) -> None:
     cache = await opened(cache_config)
     entry = make_entry(7)
     response = InferResponse(
-        model_name="m", model_version=1, outputs=dict(entry.outputs), parameters=entry.parameters
+        model_name="m", model_version=1, outputs=dict(entry.outputs), parameters={"tag": 7}
     )
     async with open_cache_actor(cache, cache_config[0].split(",")[0]) as actor:
         flight = await actor.begin(entry.key)

@@ -37,8 +37,12 @@ class Counter:
         return {"Y": X + 1}
 
 
-def counted(counter: Counter, name: str = "m") -> orchestrion.Model:
-    return cached(model(name, counter, [tensor("X")], [tensor("Y")], jit=False))
+def counted(counter: Counter, name: str = "m", revision: str = "r1") -> orchestrion.Model:
+    """The model, as one deploy of it: servers that load it with the same ``revision``
+    share its cached answers."""
+    m = cached(model(name, counter, [tensor("X")], [tensor("Y")], jit=False))
+    m.revision = revision
+    return m
 
 
 def client(server: RedisServer, **kw: Any) -> redis.Redis:
@@ -83,7 +87,7 @@ async def test_hit_through_redis_stores_data_only_values(redis_server: RedisServ
     assert len(keys[0]) == 12 + 32
     value = client(redis_server).get(keys[0])
     assert value is not None
-    assert value.startswith(b"ORCHCE2\n")
+    assert value.startswith(b"ORCHCE3\n")
     assert client(redis_server).ttl(keys[0]) == -1  # no TTL unless asked
 
 
@@ -115,6 +119,29 @@ async def test_two_servers_share_one_redis(redis_server: RedisServer) -> None:
         response = await b.infer("m", {"X": X})
     np.testing.assert_array_equal(response.outputs["Y"], X + 1)
     assert (first.calls, second.calls) == (1, 0)
+
+
+async def test_servers_running_other_revisions_never_share_entries(
+    redis_server: RedisServer,
+) -> None:
+    """Two servers on one Redis running different revisions of the model (a rolling deploy),
+    or Python models left with their random default revision, compute their own answers."""
+    calls = [Counter() for _ in range(4)]
+    config = redis_server.cache_config
+    deployed = [counted(calls[0], revision="r1"), counted(calls[1], revision="r2")]
+    unnamed = [cached(model("m", c, [tensor("X")], [tensor("Y")], jit=False)) for c in calls[2:]]
+    for first, second in (deployed, unnamed):
+        async with (
+            orchestrion.open_server(models=[first], cache_config=config) as a,
+            orchestrion.open_server(models=[second], cache_config=config) as b,
+        ):
+            await a.infer("m", {"X": X})
+            await flush(a)
+            await b.infer("m", {"X": X})
+            await flush(b)
+            await a.infer("m", {"X": X})  # each its own entry, served to itself
+            await b.infer("m", {"X": X})
+    assert [c.calls for c in calls] == [1, 1, 1, 1]
 
 
 async def test_entries_survive_a_server_restart(redis_server: RedisServer) -> None:
@@ -293,6 +320,65 @@ async def test_redis_outage_under_load(
         assert stats.hits > hits
     assert any("available again" in r.getMessage() for r in caplog.records)
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+async def test_a_full_redis_refuses_writes_without_an_outage(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis at maxmemory (noeviction) answers every SET with OOM: lookups still hit, the
+    refused entries are counted as not stored, one warning and no error; freed, it stores
+    again (and a second refusal soon after is logged at debug level only)."""
+    caplog.set_level(logging.DEBUG, logger="orchestrion.caches")
+    counter = Counter()
+
+    async def stored(count: int) -> None:
+        await wait_until(
+            lambda: (
+                (s := server.cache_statistics()) is not None
+                and s.insertions + s.insert_failures == count
+            ),
+            f"{count} inserts written or refused",
+        )
+
+    async def answered(x: Any) -> None:
+        response = await server.infer("m", {"X": x})
+        np.testing.assert_array_equal(response.outputs["Y"], x + 1)
+
+    async with orchestrion.open_server(
+        models=[counted(counter)], cache_config=redis_server.cache_config
+    ) as server:
+        await server.infer("m", {"X": X})
+        await stored(1)
+        redis_server.fill()
+        async with trio.open_nursery() as nursery:  # at once: refused SETs share round trips
+            for i in range(1, 33):
+                nursery.start_soon(answered, X + i)
+                nursery.start_soon(answered, X)
+        await stored(33)
+        full = server.cache_statistics()
+        client(redis_server).config_set("maxmemory", 0)
+        await server.infer("m", {"X": X - 1})
+        await stored(34)
+        redis_server.fill()
+        await server.infer("m", {"X": X - 2})
+        await stored(35)
+        stats = server.cache_statistics()
+    assert full is not None
+    assert full.available
+    assert (full.hits, full.misses, full.errors) == (32, 33, 0)
+    assert (full.insertions, full.insert_failures) == (1, 32)
+    assert stats is not None
+    assert (stats.insertions, stats.insert_failures, stats.errors) == (2, 33, 0)
+    assert counter.calls == 35
+    assert len(client(redis_server).keys("orchestrion:*")) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "redis cache refused to store responses" in warnings[0]
+    assert "OOM command not allowed" in warnings[0]
+    assert sum("cache takes writes again" in r.getMessage() for r in caplog.records) == 1
+    held = [r for r in caplog.records if "refused to store" in r.getMessage()]
+    assert [r.levelno for r in held] == [logging.WARNING, logging.DEBUG]
 
 
 async def test_unreachable_redis_fails_start_up() -> None:

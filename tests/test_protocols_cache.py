@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,14 +102,15 @@ def test_bytes_tensors_in_the_key() -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=6), arrays, max_size=3))
 def test_entry_format_round_trip(outputs: dict[str, Any]) -> None:
-    """encode_entry/decode_entry keep names, dtypes, shapes, values and parameters."""
+    """encode_entry/decode_entry keep the key (revision included), names, dtypes, shapes and
+    values."""
     entry = CacheEntry(
-        key=cache_key("m", 3, {"X": np.zeros(2, np.float32)}),
+        key=cache_key("m", 3, {"X": np.zeros(2, np.float32)}, revision="r3"),
         outputs=frozen_outputs(outputs),
-        parameters={"a": 1, "b": "x", "c": True, "d": 0.5},
     )
     back = decode_entry(encode_entry(entry))
-    assert back == entry  # key and parameters
+    assert back == entry  # the key
+    assert back.key.revision == "r3"
     assert back.matches(entry.key)
     assert list(back.outputs) == list(outputs)
     for name, array in outputs.items():
@@ -175,6 +177,20 @@ def test_signature_mismatch_is_not_a_match() -> None:
         outputs={},
     )
     assert not forged.matches(a)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_the_revision_is_key_material(first: str, second: str) -> None:
+    """Another revision (another reload or deploy of the code) gives another digest, and an
+    entry of one revision never answers a key of another, whatever the inputs."""
+    inputs = {"X": np.arange(4, dtype=np.float32)}
+    a = cache_key("m", 1, inputs, revision=first)
+    b = cache_key("m", 1, inputs, revision=second)
+    assert (a.digest == b.digest) == (first == second)
+    stolen = CacheEntry(key=attrs.evolve(a, digest=b.digest), outputs={})
+    assert stolen.matches(b) == (first == second)
+    assert CacheEntry(key=a, outputs={}).matches(a)
 
 
 # -- settings ---------------------------------------------------------------------------

@@ -636,7 +636,7 @@ def test_corrupted_or_foreign_redis_values_are_logged_misses(
     a log line (the first of each kind a WARNING), never an error or a wrong answer."""
     state = cached_pipeline
     original = state.original_a
-    magic_end = len(b"ORCHCE2\n") + 4
+    magic_end = len(b"ORCHCE3\n") + 4
     values = {
         "random bytes": os.urandom(len(original)),
         "the magic, then random bytes": original[:8] + os.urandom(len(original) - 8),
@@ -684,7 +684,7 @@ def _split(value: bytes) -> tuple[dict[str, Any], list[bytes]]:
 
 def _join(header: dict[str, Any], chunks: list[bytes]) -> bytes:
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    return b"ORCHCE2\n" + struct.pack("<I", len(encoded)) + encoded + b"".join(chunks)
+    return b"ORCHCE3\n" + struct.pack("<I", len(encoded)) + encoded + b"".join(chunks)
 
 
 def _crafted(original: bytes) -> dict[str, bytes]:
@@ -871,3 +871,44 @@ def test_load_api_refuses_a_very_long_name_cleanly(
     )
     assert status in (400, 404), body[:200]
     assert "INVALID_ARGUMENT" in grpc_status or "NOT_FOUND" in grpc_status, refused.value
+
+
+def test_error_answers_name_neither_other_models_nor_the_servers_paths(tmp_path: Path) -> None:
+    """An unknown model's error does not list what else is loaded, and a failed load names
+    its files relative to the repository: a client learns neither other models nor where
+    the server keeps its files (the server's log has the whole story)."""
+    root = tmp_path / "private-repository"
+    shutil.copytree(MODELS / "square", root / "square")
+    (root / "broken" / "1").mkdir(parents=True)
+    (root / "broken" / "config.pbtxt").write_text('name: "broken"\nmax_batch_size: nope\n')
+    (root / "broken" / "1" / "model.py").write_text("def execute(X):\n    return {}\n")
+    served = start_server("--model-control-mode=explicit", "--load-model=square", repository=root)
+    answers: list[str] = []
+    try:
+        answers.append(post(served.http, "/v2/models/secret/infer", b"{}")[1].decode())
+        answers.append(post(served.http, "/v2/repository/models/broken/load", b"")[1].decode())
+        client = grpcclient.InferenceServerClient(served.grpc)
+        try:
+            for call in (
+                lambda: client.get_model_metadata("secret"),
+                lambda: client.load_model("broken"),
+            ):
+                with pytest.raises(InferenceServerException) as caught:
+                    call()
+                answers.append(str(caught.value))
+        finally:
+            client.close()
+    finally:
+        served.stop()
+    leaks = [a for a in answers if "square" in a or str(tmp_path) in a]
+    assert leaks == []
+    assert all("broken/config.pbtxt" in a for a in answers[1::2])
+    assert str(root) in served.text()  # the operator still sees where
+    record(
+        "Security",
+        "Error answers to a client: an unknown model's name, and a load of a broken config, "
+        "over HTTP and gRPC",
+        f"{len(answers)} error answers",
+        "none lists the other loaded models or the repository's path (files named relative "
+        "to it); the server's log keeps the full path",
+    )
