@@ -171,9 +171,18 @@ class TrioBridge:
             raise
         return result
 
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the trio thread soon (called on asyncio; never waits). Nothing
+        happens once trio has finished."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._to_trio.post(fn)
+
     def _receive(self, item: Any) -> None:
         if isinstance(item, tuple):
             item[1].cancel()
+            return
+        if not isinstance(item, _Call):
+            item()
             return
         try:
             self.nursery.start_soon(self._run, item)
@@ -216,13 +225,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     control: ModelControl
     bridge: TrioBridge
     version: str
-    _readers: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
+    _streams: _OpenStreams = attrs.field(factory=lambda: _OpenStreams(), init=False)
 
     def stop_streams(self) -> None:
-        """Stop reading every open stream (a graceful stop): each ends once the requests it
-        already sent are answered, so an idle stream does not hold the stop up."""
-        for reader in list(self._readers):
-            reader.cancel()
+        """A graceful stop of every open stream (on the trio thread): each answers what it
+        has read, refuses what comes after, and ends (UNAVAILABLE) once its answers are
+        out, so an idle stream does not hold the stop up."""
+        self._streams.stop()
 
     async def _abort(self, context: Any, error: BaseException) -> None:
         if not isinstance(error, OrchestrionError):
@@ -380,10 +389,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """A bidirectional stream: decoupled models, sequences, or any model."""
-        responses: asyncio.Queue[Any] = asyncio.Queue()
+        responses: asyncio.Queue[Any] = asyncio.Queue()  # holds at most STREAM_BUFFER + 1
         loop = asyncio.get_running_loop()
         stream = _Stream(
-            self.server, lambda item: loop.call_soon_threadsafe(responses.put_nowait, item)
+            self.server,
+            lambda item: loop.call_soon_threadsafe(responses.put_nowait, item),
+            self._streams,
         )
         traceparent = _traceparent(context)
 
@@ -396,19 +407,24 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
         session = asyncio.ensure_future(self.bridge.call(stream.run))
         reader = asyncio.ensure_future(read())
-        self._readers.add(reader)
         try:
             while True:
                 item = await responses.get()
                 if item is _END:
                     break
                 yield item
+                # Sent (grpcio's write waits for HTTP/2 flow control): a credit back to the
+                # producers, who wait for one before each response (backpressure).
+                self.bridge.run_soon(stream.credit.release)
+            if stream.stopping:
+                # Every request read so far is answered (those after the stop as refusals);
+                # whatever the client still sends is refused by the status.
+                reader.cancel()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _SHUTTING_DOWN)
             await asyncio.wait([reader])
-            if not reader.cancelled():  # cancelled: the server stopped reading (stop_streams)
-                reader.result()
+            reader.result()
             await session
         finally:
-            self._readers.discard(reader)
             reader.cancel()
             session.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -420,37 +436,98 @@ _END = object()
 
 
 @attrs.define(eq=False)
+class _OpenStreams:
+    """The front end's open streams (trio side), for a graceful stop: one that opens after
+    the stop began is stopped at once."""
+
+    _streams: set[_Stream] = attrs.field(factory=set)
+    _stopping: bool = False
+
+    def add(self, stream: _Stream) -> None:
+        """A stream opened."""
+        self._streams.add(stream)
+        if self._stopping:
+            stream.stop()
+
+    def discard(self, stream: _Stream) -> None:
+        """A stream ended."""
+        self._streams.discard(stream)
+
+    def stop(self) -> None:
+        """Stop every open stream, and those that open later."""
+        self._stopping = True
+        for stream in list(self._streams):
+            stream.stop()
+
+
+STREAM_BUFFER = 64
+"""Responses of one stream made and not yet written to the client: a producer waits for a
+credit before each one, so a client that does not read stops the stream's models there."""
+
+_SHUTTING_DOWN = "the server is shutting down: this stream's later requests were not run"
+
+
+@attrs.define(eq=False)
 class _Stream:
-    """One ModelStreamInfer stream on the trio side."""
+    """One ModelStreamInfer stream on the trio side.
+
+    Requests without a sequence id run concurrently (at most `STREAM_WINDOW`); those of one
+    sequence id run one after another in the order sent, in a *lane* that exists only while
+    it has requests (so a stream of many ids holds no memory for the idle ones, and a
+    sequence that ends and starts again keeps its order). Each response takes a credit
+    (`STREAM_BUFFER`) that comes back once it is written to the client.
+    """
 
     server: AsyncServer
-    emit: Callable[[Any], object]
+    post: Callable[[Any], object]
+    """Hands a response (or `_END`) to the asyncio side, thread-safely."""
+    streams: _OpenStreams
+    """The front end's open streams, to `stop` on a graceful stop."""
+    credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
+    stopping: bool = False
     _nursery: trio.Nursery | None = None
     _window: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_WINDOW))
-    _lanes: dict[int | str, trio.MemorySendChannel[Any]] = attrs.field(factory=dict)
+    _lanes: dict[int | str, collections.deque[tuple[WireRequest, str | None]]] = attrs.field(
+        factory=dict
+    )
     _input_closed: trio.Event = attrs.field(factory=trio.Event)
     _started: trio.Event = attrs.field(factory=trio.Event)
 
     async def run(self) -> None:
         """Serve the stream's requests until the input ends and every answer is sent."""
+        self.streams.add(self)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._started.set()
                 await self._input_closed.wait()
-                for lane in self._lanes.values():
-                    lane.close()
         finally:
-            self.emit(_END)
+            self.streams.discard(self)
+            self.post(_END)
 
     async def close_input(self) -> None:
         """The client half-closed the stream (or went away)."""
         self._input_closed.set()
 
+    def stop(self) -> None:
+        """A graceful stop: requests already read are answered, later ones are refused, and
+        the stream ends once the answers are out."""
+        self.stopping = True
+        self._input_closed.set()
+
+    async def emit(self, message: Any) -> None:
+        """Send one response, once the client has read enough of the earlier ones."""
+        await self.credit.acquire()
+        self.post(message)
+
     async def submit(self, message: Any, traceparent: str | None) -> None:
         """Start one request of the stream (waits while the window is full)."""
         await self._started.wait()
         assert self._nursery is not None
+        if self.stopping:
+            refusal = ServerClosedError(_SHUTTING_DOWN)
+            await self.emit(_error_response(message.model_name, "", message.id, refusal))
+            return
         await self._window.acquire()
         try:
             if isinstance(message, _Undecodable):
@@ -460,26 +537,31 @@ class _Stream:
             self._window.release()
             if not isinstance(exc, OrchestrionError):
                 _log.error("decoding a stream request failed unexpectedly", exc_info=exc)
-            self.emit(_error_response(message.model_name, message.model_version, message.id, exc))
+            await self.emit(
+                _error_response(message.model_name, message.model_version, message.id, exc)
+            )
             return
         if wire.sequence_id:
             lane = self._lanes.get(wire.sequence_id)
             if lane is None:
-                send, receive = trio.open_memory_channel[Any](math.inf)
-                self._lanes[wire.sequence_id] = lane = send
-                self._nursery.start_soon(self._lane, receive)
-            lane.send_nowait((wire, traceparent))
-            if wire.sequence_end:
-                lane.close()
-                del self._lanes[wire.sequence_id]
+                lane = self._lanes[wire.sequence_id] = collections.deque()
+                self._nursery.start_soon(self._lane, wire.sequence_id, lane)
+            lane.append((wire, traceparent))
         else:
             self._nursery.start_soon(self._answer, wire, traceparent)
 
-    async def _lane(self, receive: trio.MemoryReceiveChannel[Any]) -> None:
-        # A sequence's requests run one after another, in the order the client sent them.
-        async with receive:
-            async for wire, traceparent in receive:
-                await self._answer(wire, traceparent)
+    async def _lane(
+        self, sequence_id: int | str, lane: collections.deque[tuple[WireRequest, str | None]]
+    ) -> None:
+        # A sequence's requests run one after another, in the order the client sent them;
+        # the lane goes as soon as it is empty (no await between the check and the removal).
+        try:
+            while lane:
+                await self._answer(*lane[0])
+                lane.popleft()
+        finally:
+            if self._lanes.get(sequence_id) is lane:
+                del self._lanes[sequence_id]
 
     async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
         try:
@@ -492,7 +574,7 @@ class _Stream:
                     timeout=wire.timeout,
                     traceparent=traceparent,
                 )
-                self.emit(_stream_response(encode_grpc_response(response, final=True)))
+                await self.emit(_stream_response(encode_grpc_response(response, final=True)))
                 return
             responses = self.server.stream_infer(
                 wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
@@ -501,23 +583,23 @@ class _Stream:
                 with trio.fail_after(wire.timeout or math.inf):
                     async for response in each:
                         message = encode_grpc_response(response, final=False)
-                        self.emit(_stream_response(message))
+                        await self.emit(_stream_response(message))
             if wire.empty_final_response:
                 version = str(wire.model_version)
-                self.emit(
+                await self.emit(
                     _stream_response(final_response(wire.model_name, version, wire.request_id))
                 )
         except trio.TooSlowError:
             error = InferenceTimeoutError(
                 f"request for model '{wire.model_name}' timed out after {wire.timeout} s"
             )
-            self.emit(
+            await self.emit(
                 _error_response(wire.model_name, str(wire.model_version), wire.request_id, error)
             )
         except Exception as exc:
             if not isinstance(exc, OrchestrionError):
                 _log.error("stream request failed unexpectedly", exc_info=exc)
-            self.emit(
+            await self.emit(
                 _error_response(wire.model_name, str(wire.model_version), wire.request_id, exc)
             )
         finally:
@@ -572,13 +654,18 @@ async def open_grpc_api(
             if bind_error is None:
                 raise
         else:
+
+            def stop() -> None:
+                service.stop_streams()
+                loop_thread.stop(exit_timeout)
+
             try:
-                yield f"{host}:{bound}", lambda: loop_thread.stop(exit_timeout)
+                yield f"{host}:{bound}", stop
             except BaseException as exc:  # the caller's: leaves as itself, after a quick stop
                 error = exc
                 loop_thread.stop(0.0)
             else:
-                loop_thread.stop(exit_timeout)
+                stop()
     if error is not None:
         raise error
     if bind_error is not None:
@@ -684,7 +771,6 @@ class _LoopThread:
         try:
             await self._stop.wait()
         finally:
-            self.service.stop_streams()
             await grpc_server.stop(self._grace)
 
     def stop(self, grace: float) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import numpy as np
@@ -179,27 +179,40 @@ def request_options(
         if key == "sequence_id":
             if isinstance(value, bool) or not isinstance(value, int | str):
                 raise InvalidRequestError(f"{where}: sequence_id must be an integer or a string")
-            if isinstance(value, int) and value < 0:
-                raise InvalidRequestError(f"{where}: sequence_id must not be negative")
+            if isinstance(value, int) and not 0 <= value <= _UINT64_MAX:
+                raise InvalidRequestError(
+                    f"{where}: sequence_id must be an unsigned 64-bit integer (0 to 2**64-1)"
+                )
             options["sequence_id"] = value
         elif key in ("sequence_start", "sequence_end", "binary_data_output"):
             options[_OPTION_FIELD[key]] = _flag(key, value, where)
         elif key == "triton_enable_empty_final_response":
             options["empty_final_response"] = _flag(key, value, where)
         elif key == "priority":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidRequestError(f"{where}: priority must be a non-negative integer")
+            if not _unsigned(value):
+                raise InvalidRequestError(
+                    f"{where}: priority must be an unsigned 64-bit integer (0 to 2**64-1)"
+                )
             options["priority"] = value
         elif key == "timeout":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not _unsigned(value):
                 raise InvalidRequestError(
-                    f"{where}: timeout must be a non-negative integer (microseconds)"
+                    f"{where}: timeout must be an unsigned 64-bit integer (microseconds)"
                 )
             options["timeout"] = value / 1e6 if value > 0 else None
         elif key in _RESERVED:
             if key.startswith("shared_memory"):
                 raise InvalidRequestError(f"{where}: shared memory is not supported")
             continue
+        elif (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not _INT_RANGE[0] <= value <= _UINT64_MAX
+        ):
+            raise InvalidRequestError(
+                f"{where}: parameter '{key:.80}' is out of range (a 64-bit integer, signed or "
+                "unsigned)"
+            )
         elif isinstance(value, str | int | float | bool):
             custom[key] = value
         else:
@@ -208,6 +221,16 @@ def request_options(
             )
     options["parameters"] = custom
     return options
+
+
+_UINT64_MAX = 2**64 - 1
+_INT_RANGE = (-(2**63), _UINT64_MAX)
+"""Integers a parameter may hold: what Triton's ``int64_param`` or ``uint64_param`` carry
+(HTTP's JSON has no limit; larger ones would fail later, on the way out over gRPC)."""
+
+
+def _unsigned(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX
 
 
 _OPTION_FIELD = {
@@ -392,6 +415,11 @@ def decode_http_request(
             raise InvalidRequestError(f"input '{name}' has no 'shape' array")
         size = _object(item, "parameters", where=f"input '{name}'").get("binary_data_size")
         if size is not None:
+            if "data" in item:
+                raise InvalidRequestError(
+                    f"input '{name}' has both 'data' and binary data (binary_data_size): "
+                    "send its values one way"
+                )
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidRequestError(
                     f"input '{name}': binary_data_size must be a non-negative integer"

@@ -67,7 +67,10 @@ def set_parameter(parameter: Any, value: ParameterValue) -> None:
     if isinstance(value, bool):
         parameter.bool_param = value
     elif isinstance(value, int):
-        parameter.int64_param = value
+        if value >= 2**63:  # a sequence id past int64 (the request's checks bound it)
+            parameter.uint64_param = value
+        else:
+            parameter.int64_param = value
     elif isinstance(value, float):
         parameter.double_param = value
     else:
