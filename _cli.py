@@ -114,6 +114,27 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
         help="largest HTTP request body accepted (default: 64 MiB, as Triton)",
     )
     network.add_argument(
+        "--http-max-connections",
+        type=int,
+        metavar="N",
+        help="HTTP connections served at once; more get 503 (default: half the open-file "
+        "limit, at most 4096)",
+    )
+    network.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="time a request head may take to arrive (408 beyond; default: 60)",
+    )
+    network.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="time a request body may go without progress (408 beyond; default: 60)",
+    )
+    network.add_argument(
         "--grpc-max-message-size",
         type=int,
         default=2**31 - 1,
@@ -239,6 +260,9 @@ def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         exit_timeout=args.exit_timeout_secs,
         poll_interval=args.repository_poll_secs,
         http_max_input_size=args.http_max_input_size,
+        http_max_connections=args.http_max_connections,
+        http_header_timeout=args.http_header_timeout,
+        http_body_timeout=args.http_body_timeout,
         grpc_max_message_size=args.grpc_max_message_size,
     )
 

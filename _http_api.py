@@ -23,7 +23,15 @@ import attrs
 import trio
 
 from ._control import ModelControl
-from ._http_server import Answer, Headers, HttpRequest, HttpServer
+from ._http_server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    Answer,
+    Headers,
+    HttpRequest,
+    HttpServer,
+    default_max_connections,
+)
 from ._server import AsyncServer
 from .protocols import ConfigError, InvalidRequestError, OrchestrionError
 from .protocols._kserve import (
@@ -153,8 +161,15 @@ class HttpApi:
         length = headers.get(HEADER_LENGTH.encode())
         header_length = None
         if length is not None:
-            if not length.isdigit():
-                raise InvalidRequestError(f"invalid Inference-Header-Content-Length {length!r}")
+            # Digits only, and no more of them than the body's size has: int() of a huge
+            # value is slow, and past 4,300 digits raises ValueError.
+            if not length.isdigit() or len(length.lstrip(b"0")) > len(str(len(body))):
+                shown = length[:40] + b"..." if len(length) > 40 else length
+                raise InvalidRequestError(
+                    f"invalid Inference-Header-Content-Length {shown.decode('latin-1')!r}: "
+                    f"expected the byte length of the JSON header, at most the body's "
+                    f"{len(body)} bytes"
+                )
             header_length = int(length)
         wire = decode_http_request(name, version, body, header_length)
         traceparent = headers.get(b"traceparent")
@@ -219,6 +234,13 @@ class HttpApi:
             )
         if not inflater.eof:
             raise InvalidRequestError(f"the {encoding.decode()} body is truncated")
+        if inflater.unused_data:
+            # A second gzip member, or garbage: refused rather than silently dropped.
+            raise InvalidRequestError(
+                f"the {encoding.decode()} body has {len(inflater.unused_data)} bytes after "
+                "the end of its compressed data (a second gzip member or trailing garbage); "
+                "send one compressed stream"
+            )
         return data
 
     def _json_body(self, request: HttpRequest) -> dict[str, Any]:
@@ -276,25 +298,46 @@ async def open_http_api(
     port: int = 8000,
     *,
     exit_timeout: float = 30.0,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    max_connections: int | None = None,
 ) -> AsyncIterator[tuple[str, Callable[[], None]]]:
     """Serve ``api`` over HTTP/1.1 for the duration of the block.
 
     Yields the address it listens on (``host:port``; ``port=0`` picks a free one) and a
     function that starts a graceful stop: no new connections, requests in flight get up to
-    ``exit_timeout`` seconds, then they are cancelled. Leaving the block stops the same way.
+    ``exit_timeout`` seconds, then they are cancelled (and answered 503). Leaving the block
+    stops the same way.
+
+    Args:
+        header_timeout: seconds a request head may take to arrive (408 beyond).
+        body_timeout: seconds a request body may go without progress (408 beyond).
+        max_connections: connections served at once, more are answered 503; None: half
+            the open-file limit, at most 4,096 (`default_max_connections`).
 
     Raises:
-        ConfigError: the address cannot be bound.
+        ConfigError: the address cannot be bound, or a limit is not positive.
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"HTTP port {port} is not a TCP port (0-65535; 0: any free port)")
+    if not (header_timeout > 0 and body_timeout > 0):
+        raise ConfigError("--http-header-timeout and --http-body-timeout must be > 0")
+    if max_connections is not None and max_connections < 1:
+        raise ConfigError(f"--http-max-connections must be >= 1, not {max_connections}")
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
         raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from exc
     bound = listeners[0].socket.getsockname()
     address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-    server = HttpServer(api.handle, api.max_input_size, api.refuse)
+    server = HttpServer(
+        api.handle,
+        api.max_input_size,
+        api.refuse,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        max_connections=max_connections or default_max_connections(),
+    )
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.serve, listeners, exit_timeout)

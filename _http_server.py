@@ -6,18 +6,31 @@ one ``send_all``. While a POST is being handled, a watcher reads the socket: end
 the client went away, and the handler's work is cancelled (its model slots freed at once).
 A graceful stop closes the listeners and the idle keep-alive connections at once, lets
 requests being handled finish (then closes their connections), and after ``exit_timeout``
-cancels what is left.
+cancels what is left, answering each request it cuts off with a 503.
+
+Limits, so that slow or silent clients cannot hold the server: at most ``max_connections``
+connections at once (by default half the open-file limit, so descriptors remain for gRPC,
+metrics, Redis and model files); a connection over it is accepted, answered 503 and closed.
+A request head must arrive whole within ``header_timeout`` (counted from the connection's
+start for its first request, from the head's first byte for later ones) and a body must make
+progress every ``body_timeout`` seconds, else a 408 answers and the connection closes. An
+idle keep-alive connection closes silently after ``keep_alive``. A request with both
+Content-Length and Transfer-Encoding is read as chunked (as RFC 9112 §6.1 allows), then its
+connection is closed (as it requires), so nothing after its body is ever read as a request.
+Running out of descriptors or connection slots logs one line per episode, not one per accept.
 
 Why not hypercorn (which serves /metrics): its layers (a task per request, ASGI messages
-through channels, timers per request) cost ~270 µs of CPU for ``GET /v2/health/live`` here;
-this loop costs a fraction of that (bench/network.py measures both).
+through channels, timers per request) cost 273 µs of server CPU per ``GET /v2/health/live``
+under perf_analyzer at concurrency 4; this loop costs 107 µs (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import http
 import logging
+import math
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,6 +46,12 @@ Answer = tuple[int, Headers, list[bytes | memoryview]]
 
 MAX_HEADER_SIZE = 64 * 1024
 """The largest request line plus headers accepted (larger: 431/400 and close)."""
+DEFAULT_HEADER_TIMEOUT = 60.0
+"""Seconds a request head may take to arrive whole (nginx's ``client_header_timeout``)."""
+DEFAULT_BODY_TIMEOUT = 60.0
+"""Seconds a request body may go without progress (nginx's ``client_body_timeout``)."""
+MAX_DEFAULT_CONNECTIONS = 4096
+"""The most connections `default_max_connections` allows, however high the file limit."""
 _JOIN_LIMIT = 1 << 20
 """Answers up to this size go out in one ``send_all`` (one syscall)."""
 _READ_SIZE = 65536
@@ -40,7 +59,31 @@ _HEAD_READ_SIZE = 8192
 _LINGER_SECONDS = 2.0
 _LINGER_BYTES = 4 << 20
 """After refusing a request: how long and how much to read before closing anyway."""
+_TURN_AWAY_SECONDS = 1.0
+_TURN_AWAY_QUIET = 0.05
+"""How long a connection over the limit is kept for its 503 (sending, then lingering), and
+how long the linger waits for a first byte from a client that has sent none."""
+_EXPIRED_GRACE = 1.0
+"""After the exit timeout: how long the 503s of the requests cut off may take to go out."""
+_ACCEPT_RETRY = 0.1
+_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""Errors of accept(2) that mean the process or system is out of something: retry later."""
+_EPISODE_QUIET = 10.0
+"""Seconds without accept failures after which the next failure is a new episode (logged)."""
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+
+
+def default_max_connections() -> int:
+    """Half the soft open-file limit (``ulimit -n``), at most `MAX_DEFAULT_CONNECTIONS`: the
+    other half stays for gRPC, metrics, Redis, model files and the refusals themselves."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return MAX_DEFAULT_CONNECTIONS
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return MAX_DEFAULT_CONNECTIONS
+    return max(1, min(soft // 2, MAX_DEFAULT_CONNECTIONS))
 
 
 @attrs.frozen
@@ -62,6 +105,10 @@ class BodyTooLarge(Exception):
     """The request body exceeds the server's limit."""
 
 
+class _TooSlow(Exception):
+    """The client took longer than its deadline to send a request head or body."""
+
+
 @attrs.define(eq=False)
 class HttpServer:
     """Serves ``handler`` on listeners until `stop`; see the module docstring."""
@@ -72,20 +119,36 @@ class HttpServer:
     """Makes the answer for a request the server refuses itself (status, message)."""
     keep_alive: float = 75.0
     """Seconds an idle connection is kept open."""
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    """Seconds a request head may take (408 beyond); see the module docstring."""
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    """Seconds a request body may go without receiving a byte (408 beyond)."""
+    max_connections: int = attrs.field(factory=default_max_connections)
+    """Connections served at once; more are answered 503 and closed."""
     _stopping: bool = False
+    _expired: bool = False
     _idle: set[trio.CancelScope] = attrs.field(factory=set)
+    _conversations: set[trio.CancelScope] = attrs.field(factory=set)
     _accepting: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _active: int = 0
     _drained: trio.Event = attrs.field(factory=trio.Event)
+    _turning_away: trio.Semaphore = attrs.field(init=False)
+    _over_limit_since: float | None = None
+    _turned_away: int = 0
+    _last_accept_failure: float = -math.inf
+
+    def __attrs_post_init__(self) -> None:
+        # Each refusal holds a descriptor for up to _TURN_AWAY_SECONDS: bound them too.
+        self._turning_away = trio.Semaphore(min(32, max(1, self.max_connections // 8)))
 
     async def serve(self, listeners: Sequence[trio.SocketListener], exit_timeout: float) -> None:
         """Accept connections until `stop`, then drain them (at most ``exit_timeout`` s)."""
         async with trio.open_nursery() as connections:
             try:
                 with self._accepting:
-                    await trio.serve_listeners(
-                        self._connection, list(listeners), handler_nursery=connections
-                    )
+                    async with trio.open_nursery() as acceptors:
+                        for listener in listeners:
+                            acceptors.start_soon(self._accept, listener, connections)
             finally:
                 for listener in listeners:
                     await listener.aclose()
@@ -93,10 +156,16 @@ class HttpServer:
                 await self._drained.wait()
             if self._active:
                 _log.warning(
-                    "%d HTTP connections still busy after %s s: cancelled",
+                    "%d HTTP connections still busy after %s s: cancelled, their requests "
+                    "answered 503",
                     self._active,
                     exit_timeout,
                 )
+                self._expired = True
+                for scope in list(self._conversations):
+                    scope.cancel()
+                with trio.move_on_after(_EXPIRED_GRACE):
+                    await self._drained.wait()
             connections.cancel_scope.cancel()
 
     def stop(self) -> None:
@@ -108,78 +177,229 @@ class HttpServer:
         if self._active == 0:
             self._drained.set()
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        self._active += 1
+    async def _accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        # trio.serve_listeners, with a connection limit and one log line per episode of
+        # accept failures (it logs each retry, with a traceback, ten times a second).
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _CAPACITY_ERRNOS:
+                    raise
+                now = trio.current_time()
+                if now - self._last_accept_failure > _EPISODE_QUIET:
+                    _log.warning(
+                        "cannot accept HTTP connections: %s (%s); retrying every %g s "
+                        "(--http-max-connections is %d; logged once per episode)",
+                        errno.errorcode.get(exc.errno or 0, exc.errno),
+                        exc.strerror,
+                        _ACCEPT_RETRY,
+                        self.max_connections,
+                    )
+                self._last_accept_failure = now
+                await trio.sleep(_ACCEPT_RETRY)
+                continue
+            if self._active >= self.max_connections:
+                try:
+                    await self._turning_away.acquire()  # the kernel's backlog holds the rest
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+                if self._active >= self.max_connections:  # still, after that wait
+                    connections.start_soon(self._turn_away, stream)
+                    continue
+                self._turning_away.release()
+            self._active += 1  # now, not in the task: the next accept sees it
+            connections.start_soon(self._connection, stream)
+
+    def _connection_closed(self) -> None:
+        # The episode of refusals ends once a quarter of the connections have closed, so a
+        # server hovering at its limit does not log each time one closes and one arrives.
+        self._active -= 1
+        if self._stopping and self._active == 0:
+            self._drained.set()
+        if self._over_limit_since is not None and self._active <= self.max_connections * 3 // 4:
+            _log.info(
+                "HTTP connections back under the limit: %d turned away in %.0f s",
+                self._turned_away,
+                trio.current_time() - self._over_limit_since,
+            )
+            self._over_limit_since = None
+
+    async def _turn_away(self, stream: trio.SocketStream) -> None:
+        """Answer a connection over the limit with a 503, and close it."""
+        if self._over_limit_since is None:  # an episode starts: one line for all of it
+            self._over_limit_since = trio.current_time()
+            self._turned_away = 0
+            _log.warning(
+                "HTTP connection limit reached (%d open, --http-max-connections %d): new "
+                "connections get 503 while it is (logged once per episode)",
+                self._active,
+                self.max_connections,
+            )
+        self._turned_away += 1
+        message = (
+            f"too many connections: the server already holds {self._active} "
+            "(--http-max-connections); retry later"
+        )
         try:
-            await self._converse(stream)
+            with trio.move_on_after(_TURN_AWAY_SECONDS):
+                status, headers, chunks = self.on_error(None, 503, message)
+                answer = (status, headers, chunks)
+                await self._send(stream, h11.Connection(h11.SERVER), None, answer, close=True)
+                await stream.send_eof()
+                # Read until the client closes: closing with its request unread would reset
+                # the connection before it reads the 503. One that has sent nothing yet is
+                # closed sooner, so a flood of silent connections is turned away quickly.
+                with trio.move_on_after(_TURN_AWAY_QUIET) as quiet:
+                    data = await stream.receive_some(_READ_SIZE)
+                drained = 0
+                while not quiet.cancelled_caught and data and drained < _LINGER_BYTES:
+                    drained += len(data)
+                    data = await stream.receive_some(_READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
         finally:
-            self._active -= 1
-            if self._stopping and self._active == 0:
-                self._drained.set()
+            self._turning_away.release()
             await trio.aclose_forcefully(stream)
 
-    async def _converse(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, stream: trio.SocketStream) -> None:
         connection = h11.Connection(
             h11.SERVER, max_incomplete_event_size=MAX_HEADER_SIZE - _HEAD_READ_SIZE
         )
+        scope = trio.CancelScope()
+        self._conversations.add(scope)
+        try:
+            with scope:
+                await self._converse(stream, connection)
+            if scope.cancelled_caught and self._expired and self._cut_off(connection):
+                await self._refuse(
+                    stream,
+                    connection,
+                    None,
+                    503,
+                    "the server is shutting down: the request did not finish within the "
+                    "exit timeout (--exit-timeout-secs)",
+                )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away
+        finally:
+            self._conversations.discard(scope)
+            self._connection_closed()
+            await trio.aclose_forcefully(stream)
+
+    @staticmethod
+    def _cut_off(connection: h11.Connection) -> bool:
+        """Whether a request had started (and has no answer yet) on ``connection``."""
+        if connection.our_state is h11.SEND_RESPONSE:
+            return True
+        return connection.our_state is h11.IDLE and bool(
+            connection.their_state is not h11.IDLE or connection.trailing_data[0]
+        )
+
+    async def _converse(self, stream: trio.SocketStream, connection: h11.Connection) -> None:
+        first = True
         while not self._stopping:
             try:
-                request = await self._read_request(stream, connection)
+                request = await self._read_request(stream, connection, first=first)
             except h11.RemoteProtocolError as exc:
                 status = exc.error_status_hint
                 await self._refuse(stream, connection, None, status, f"bad request: {exc}")
                 return
-            except BodyTooLarge as exc:
-                await self._refuse(stream, connection, None, 413, str(exc))
+            except (BodyTooLarge, _TooSlow) as exc:
+                status = 413 if isinstance(exc, BodyTooLarge) else 408
+                await self._refuse(stream, connection, None, status, str(exc))
                 return
             if request is None:
                 return
+            first = False
             answer = await self._handle(stream, connection, request)
             if answer is None:
                 return  # the client went away mid-request
-            await self._send(stream, connection, request, answer)
-            if connection.our_state is h11.MUST_CLOSE or self._stopping:
+            # Content-Length and Transfer-Encoding both: answer, then close (RFC 9112 §6.1).
+            smuggling = b"transfer-encoding" in request.headers and (
+                b"content-length" in request.headers
+            )
+            await self._send(stream, connection, request, answer, close=smuggling)
+            if connection.our_state is h11.MUST_CLOSE or self._stopping or smuggling:
                 return
             try:
                 connection.start_next_cycle()
             except h11.LocalProtocolError:
                 return
 
+    async def _wait_for_request(
+        self, stream: trio.SocketStream, connection: h11.Connection, deadline: float
+    ) -> bool:
+        """Wait (until ``deadline``, or a stop) for a request's first bytes; False: none
+        came, and the connection closes silently."""
+        if connection.trailing_data[0] or connection.trailing_data[1]:
+            return True  # pipelined, or end-of-file seen already
+        with trio.move_on_at(deadline) as scope:
+            self._idle.add(scope)
+            try:
+                data = await stream.receive_some(_HEAD_READ_SIZE)
+            finally:
+                self._idle.discard(scope)
+        if scope.cancelled_caught:
+            return False
+        connection.receive_data(data)
+        return True
+
+    @staticmethod
     async def _next_event(
-        self, stream: trio.SocketStream, connection: h11.Connection, *, idle: bool
+        stream: trio.SocketStream,
+        connection: h11.Connection,
+        size: int,
+        *,
+        deadline: float = math.inf,
+        stall: float = math.inf,
     ) -> Any:
+        """The next h11 event, reading at most ``size`` bytes at a time.
+
+        Raises:
+            _TooSlow: ``deadline`` passed, or a read waited ``stall`` seconds.
+        """
         while True:
             event = connection.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            if idle:
-                # Waiting for the next request: a stop (or the keep-alive limit) ends it.
-                with trio.move_on_after(self.keep_alive) as scope:
-                    self._idle.add(scope)
-                    try:
-                        # Small reads while a head arrives: h11 refuses an incomplete head
-                        # over its limit, so a head is at most MAX_HEADER_SIZE bytes.
-                        data = await stream.receive_some(_HEAD_READ_SIZE)
-                    finally:
-                        self._idle.discard(scope)
-                if scope.cancelled_caught:
-                    return None
-            else:
-                data = await stream.receive_some(_READ_SIZE)
+            with trio.move_on_at(min(deadline, trio.current_time() + stall)) as scope:
+                data = await stream.receive_some(size)
+            if scope.cancelled_caught:
+                raise _TooSlow
             connection.receive_data(data)
 
     async def _read_request(
-        self, stream: trio.SocketStream, connection: h11.Connection
+        self, stream: trio.SocketStream, connection: h11.Connection, *, first: bool
     ) -> HttpRequest | None:
-        event = await self._next_event(stream, connection, idle=True)
-        if event is None or isinstance(event, h11.ConnectionClosed):
+        start = trio.current_time()
+        wait = self.header_timeout if first else self.keep_alive
+        if not await self._wait_for_request(stream, connection, start + wait):
+            return None
+        if not first:
+            start = trio.current_time()
+        try:
+            # Small reads while a head arrives: h11 refuses an incomplete head over its
+            # limit, so a head is at most MAX_HEADER_SIZE bytes.
+            event = await self._next_event(
+                stream, connection, _HEAD_READ_SIZE, deadline=start + self.header_timeout
+            )
+        except _TooSlow:
+            raise _TooSlow(
+                f"the request head did not arrive within {self.header_timeout:g} s "
+                "(--http-header-timeout)"
+            ) from None
+        if isinstance(event, h11.ConnectionClosed):
             return None
         assert isinstance(event, h11.Request)
         headers = {name: value for name, value in event.headers}
         declared = headers.get(b"content-length")
-        if declared is not None and int(declared) > self.max_body:
+        if (
+            declared is not None
+            and b"transfer-encoding" not in headers  # chunked: Content-Length is ignored
+            and int(declared) > self.max_body
+        ):
             raise BodyTooLarge(self._too_large(int(declared)))
         if connection.they_are_waiting_for_100_continue:
             await stream.send_all(
@@ -188,7 +408,15 @@ class HttpServer:
         parts: list[bytes] = []
         size = 0
         while True:
-            part = await self._next_event(stream, connection, idle=False)
+            try:
+                part = await self._next_event(
+                    stream, connection, _READ_SIZE, stall=self.body_timeout
+                )
+            except _TooSlow:
+                raise _TooSlow(
+                    f"the request body made no progress for {self.body_timeout:g} s "
+                    f"({size} bytes received; --http-body-timeout)"
+                ) from None
             if isinstance(part, h11.Data):
                 size += len(part.data)
                 if size > self.max_body:
@@ -248,13 +476,15 @@ class HttpServer:
         connection: h11.Connection,
         request: HttpRequest | None,
         answer: Answer,
+        *,
+        close: bool = False,
     ) -> None:
         status, headers, chunks = answer
         length = sum(len(c) for c in chunks)
         head_only = request is not None and request.method == "HEAD"
         out: list[Any] = []
         extra: Headers = [(b"content-length", str(length).encode())]
-        if self._stopping:
+        if close or self._stopping:
             extra.append((b"connection", b"close"))
         reason = _REASONS.get(status, b"")
         out.append(
@@ -287,9 +517,7 @@ class HttpServer:
             return
         status, headers, chunks = self.on_error(request, status, message)
         with contextlib.suppress(h11.LocalProtocolError):
-            await self._send(
-                stream, connection, request, (status, [*headers, (b"connection", b"close")], chunks)
-            )
+            await self._send(stream, connection, request, (status, headers, chunks), close=True)
         # A lingering close: the client may still be sending (a body or head we refused);
         # closing now would reset the connection before it reads the answer.
         await stream.send_eof()

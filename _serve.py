@@ -20,6 +20,7 @@ import trio
 from ._control import ModelControl, repository_fingerprints
 from ._grpc_api import DEFAULT_MAX_MESSAGE_SIZE, open_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, open_http_api
+from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from ._server import open_server
 from .protocols import ConfigError
 
@@ -46,6 +47,10 @@ class ServeOptions:
     exit_timeout: float = 30.0
     poll_interval: float = 15.0
     http_max_input_size: int = DEFAULT_MAX_INPUT_SIZE
+    http_max_connections: int | None = None
+    """None: half the open-file limit, at most 4,096."""
+    http_header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    http_body_timeout: float = DEFAULT_BODY_TIMEOUT
     grpc_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
 
 
@@ -118,6 +123,9 @@ async def serve(
                         options.http_address,
                         options.http_port,
                         exit_timeout=options.exit_timeout,
+                        header_timeout=options.http_header_timeout,
+                        body_timeout=options.http_body_timeout,
+                        max_connections=options.http_max_connections,
                     )
                 )
                 stoppers.append(stop_http)

@@ -1,0 +1,553 @@
+"""Hostile HTTP clients against `orchestrion serve`, with raw sockets: more connections than
+the process has descriptors, heads and bodies that trickle or never come, Content-Length with
+Transfer-Encoding, absurd ``Inference-Header-Content-Length`` values, compressed bodies with
+something after their end, and a request cut off by the exit timeout. Each gets a clear HTTP
+answer (503, 408 or 400, with Triton's JSON error body), and the server keeps serving."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import re
+import resource
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from reliability_report import record
+from served import Served, get, pending, post, serve_command
+
+_STARTED = re.compile(r"Started (GRPCInferenceService|HTTPService|Metrics Service) at (\S+)")
+_LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+_READERS: dict[int, threading.Thread] = {}
+"""The thread reading each started server's output, by process id."""
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _start(*flags: str, files: int | None = None, timeout: float = 120.0) -> Served:
+    """``orchestrion serve`` on free ports, with at most ``files`` descriptors when given;
+    its output is read into ``Served.output`` by a thread until it exits."""
+
+    def limit() -> None:
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    process = subprocess.Popen(
+        serve_command(*flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200"},
+        preexec_fn=limit,
+    )
+    served = Served(process)
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+
+    def read() -> None:
+        rest = b""
+        while chunk := os.read(fd, 65536):
+            *lines, rest = (rest + chunk).split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                served.output.append(line)
+                if (match := _STARTED.search(line)) is not None:
+                    kind, address = match.groups()
+                    field = {"HTTPService": "http", "GRPCInferenceService": "grpc"}
+                    setattr(served, field.get(kind, "metrics"), address)
+        if rest:
+            served.output.append(rest.decode(errors="replace"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _READERS[process.pid] = reader
+    deadline = time.monotonic() + timeout
+    while not (served.http and served.grpc and served.metrics):
+        if process.poll() is not None or time.monotonic() > deadline:
+            _finish(served)
+            raise RuntimeError(f"server did not start: {served.text()}")
+        time.sleep(0.02)
+    return served
+
+
+def _finish(served: Served, *, signalled: bool = False) -> int:
+    """SIGTERM (unless ``signalled`` already), wait for the exit (bounded) and the rest of the
+    output; the exit code."""
+    if not signalled and served.process.poll() is None:
+        served.process.send_signal(signal.SIGTERM)
+    try:
+        code = served.process.wait(60)
+    finally:
+        if served.process.poll() is None:
+            served.process.kill()
+            served.process.wait(10)
+        _READERS.pop(served.process.pid).join(10)
+    return code
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, bool]:
+    """Everything ``sock`` receives within ``limit`` seconds; and whether the peer closed."""
+    reply = b""
+    deadline = time.monotonic() + limit
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return reply, False
+        except ConnectionResetError:
+            return reply, True
+        if not chunk:
+            return reply, True
+        reply += chunk
+    return reply, False
+
+
+def _answer(reply: bytes) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers and body of the one HTTP answer in ``reply``."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 "), reply[:200]
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split(" ", 2)[1]), headers, body
+
+
+def _log_problems(served: Served) -> list[str]:
+    return [
+        line
+        for line in served.output
+        if "EMFILE" in line or "Traceback" in line or "failed unexpectedly" in line
+    ]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Served]:
+    """A server whose head and body deadlines are 1 s, so the slow clients are cut quickly."""
+    served = _start("--http-header-timeout", "1", "--http-body-timeout", "1")
+    yield served
+    assert _finish(served) == 0, served.text()
+
+
+# -- descriptors and connections -----------------------------------------------------------
+
+
+def test_more_silent_connections_than_descriptors_get_503_and_others_are_served() -> None:
+    """With 256 descriptors (the connection limit then defaults to 128), 300 silent HTTP
+    connections: those over the limit get a JSON 503 and a close, gRPC and a keep-alive HTTP
+    connection are still served, new HTTP connections are again once the silent ones leave, and
+    the log has one warning about the limit and no EMFILE."""
+    files, flood = 256, 300
+    served = _start(files=files)
+    address = _host_port(served.http)
+    silent: list[socket.socket] = []
+    statuses: list[int] = []
+    try:
+        with socket.create_connection(address, timeout=10) as keeper:
+            keeper.sendall(_LIVE)
+            assert _answer(keeper.recv(65536))[0] == 200
+            started = time.monotonic()
+            silent = [socket.create_connection(address, timeout=10) for _ in range(flood)]
+            # Those over the limit are answered and closed; the others stay silent.
+            selector = selectors.DefaultSelector()
+            replies: dict[socket.socket, bytes] = {}
+            for sock in silent:
+                sock.setblocking(False)
+                selector.register(sock, selectors.EVENT_READ)
+                replies[sock] = b""
+            expected = flood - (files // 2 - 1)  # the keep-alive connection holds one slot
+            deadline = time.monotonic() + 30
+            while len(statuses) < expected and time.monotonic() < deadline:
+                for key, _ in selector.select(timeout=0.5):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        chunk = sock.recv(65536)
+                    except ConnectionResetError:
+                        chunk = b""
+                    if chunk:
+                        replies[sock] += chunk
+                        continue
+                    selector.unregister(sock)
+                    sock.close()  # as a client does after ``connection: close``
+                    status, headers, body = _answer(replies[sock])
+                    statuses.append(status)
+                    assert headers.get("connection") == "close", headers
+                    assert "--http-max-connections" in json.loads(body)["error"], body
+            refused_in = time.monotonic() - started
+            selector.close()
+            assert statuses == [503] * expected, (len(statuses), set(statuses))
+
+            # While the limit is reached: gRPC, and the connection that was already open.
+            began = time.monotonic()
+            with grpcclient.InferenceServerClient(served.grpc) as client:
+                assert client.is_server_live()
+            grpc_seconds = time.monotonic() - began
+            keeper.sendall(_LIVE)
+            assert _answer(keeper.recv(65536))[0] == 200
+            assert get(served.metrics, "/metrics")[0] == 200
+            assert get(served.http, "/v2/health/live")[0] == 503
+        for sock in silent:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while (status := get(served.http, "/v2/health/live")[0]) != 200:
+            assert time.monotonic() < deadline, status
+    finally:
+        for sock in silent:
+            sock.close()
+        code = _finish(served)
+    assert code == 0, served.text()
+    warnings = [line for line in served.output if "connection limit reached" in line]
+    assert len(warnings) == 1, warnings
+    assert not _log_problems(served), _log_problems(served)
+    record(
+        "Security",
+        f"{flood} silent HTTP connections to a server with {files} descriptors "
+        "(RLIMIT_NOFILE; the connection limit defaults to half of it)",
+        f"{flood} connections",
+        f"{len(statuses)} over the limit each a JSON 503 + close within {refused_in:.1f} s; "
+        f"gRPC ServerLive answered in {grpc_seconds * 1000:.0f} ms, an open keep-alive HTTP "
+        "connection and /metrics served; new HTTP connections served once the flood left; "
+        f"{len(warnings)} warning line, no EMFILE in the log",
+    )
+
+
+def test_accept_failures_are_logged_once_per_episode() -> None:
+    """With --http-max-connections above the descriptors there are (128), 200 silent
+    connections make accept fail with EMFILE: one warning line, no traceback, and the server
+    serves again once they close."""
+    files, flood = 128, 200
+    served = _start("--http-max-connections", "1000", files=files)
+    silent: list[socket.socket] = []
+    try:
+        address = _host_port(served.http)
+        silent = [socket.create_connection(address, timeout=10) for _ in range(flood)]
+        deadline = time.monotonic() + 10
+        while not any("cannot accept" in line for line in served.output):
+            assert time.monotonic() < deadline, "no accept failure reported"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the attack goes on: ten retries of accept, at least
+        for sock in silent:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while (status := get(served.http, "/v2/health/live")[0]) != 200:
+            assert time.monotonic() < deadline, status
+    finally:
+        for sock in silent:
+            sock.close()
+        code = _finish(served)
+    assert code == 0, served.text()
+    failures = [line for line in served.output if "cannot accept" in line]
+    assert len(failures) == 1, failures
+    assert "EMFILE" in failures[0], failures
+    tracebacks = [line for line in served.output if "Traceback" in line]
+    assert not tracebacks, served.text()[-3000:]
+    record(
+        "Security",
+        f"{flood} silent HTTP connections with --http-max-connections 1000 above the "
+        f"{files} descriptors (RLIMIT_NOFILE): accept fails with EMFILE",
+        f"{flood} connections, over 1 s",
+        f"{len(failures)} warning line for the episode (no traceback, no line per retry); "
+        "HTTP served again once the connections closed",
+    )
+
+
+# -- slow clients --------------------------------------------------------------------------
+
+
+class _Prober:
+    """A thread that times ``GET /v2/health/live`` on fresh connections until stopped."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            began = time.monotonic()
+            status, _ = get(self.address, "/v2/health/live")
+            self.latencies.append(time.monotonic() - began)
+            self.statuses.append(status)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
+    """Heads sent a byte every 0.2 s and a POST declaring 100 bytes that never come get a
+    408 and a close within the 1 s deadline (plus slack); a connection that sends nothing is
+    closed silently; a health probe meanwhile is answered promptly."""
+    address = _host_port(server.http)
+    head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    attackers = 10
+    prober = _Prober(server.http)
+    try:
+        began = time.monotonic()
+        trickling = [socket.create_connection(address, timeout=10) for _ in range(attackers)]
+        sent = dict.fromkeys(trickling, 0)
+        replies = dict.fromkeys(trickling, b"")
+        cut: dict[socket.socket, float] = {}
+        deadline = began + 10
+        while len(cut) < attackers and time.monotonic() < deadline:
+            for sock in trickling:
+                if sock not in cut and sent[sock] < len(head):
+                    with contextlib.suppress(OSError):
+                        sock.send(head[sent[sock] : sent[sock] + 1])
+                    sent[sock] += 1
+            # Paces the trickle (one byte each per 0.2 s) and reads the answers meanwhile.
+            readable = selectors.DefaultSelector()
+            for sock in trickling:
+                if sock not in cut:
+                    readable.register(sock, selectors.EVENT_READ)
+            until = time.monotonic() + 0.2
+            while (left := until - time.monotonic()) > 0 and len(cut) < attackers:
+                for key, _ in readable.select(timeout=left):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        chunk = sock.recv(65536)
+                    except ConnectionResetError:
+                        chunk = b""
+                    replies[sock] += chunk
+                    if not chunk:
+                        cut[sock] = time.monotonic() - began
+                        readable.unregister(sock)
+            readable.close()
+        for sock in trickling:
+            sock.close()
+        assert len(cut) == attackers, f"{attackers - len(cut)} trickling heads still open"
+        for sock in trickling:
+            status, headers, body = _answer(replies[sock])
+            assert status == 408, replies[sock][:200]
+            assert headers.get("connection") == "close"
+            assert "--http-header-timeout" in json.loads(body)["error"]
+        head_seconds = max(cut.values())
+        assert head_seconds < 1 + 1.5, cut
+        assert max(sent.values()) < len(head) // 2, "the trickle ran to its end uncut"
+
+        with socket.create_connection(address, timeout=10) as sock:
+            began = time.monotonic()
+            sock.sendall(
+                b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+            )
+            reply, closed = _read_until_closed(sock, 10)
+            body_seconds = time.monotonic() - began
+        status, headers, body = _answer(reply)
+        assert (status, closed) == (408, True), reply[:200]
+        assert "--http-body-timeout" in json.loads(body)["error"]
+        assert body_seconds < 1 + 1.5, body_seconds
+
+        with socket.create_connection(address, timeout=10) as sock:
+            began = time.monotonic()
+            reply, closed = _read_until_closed(sock, 10)
+            silent_seconds = time.monotonic() - began
+        assert (reply, closed) == (b"", True)
+        assert silent_seconds < 1 + 1.5, silent_seconds
+    finally:
+        prober.stop()
+    assert prober.statuses, "no probe finished"
+    assert set(prober.statuses) == {200}, set(prober.statuses)
+    worst = max(prober.latencies)
+    median = statistics.median(prober.latencies)
+    assert worst < 1.0, prober.latencies
+    assert not _log_problems(server), _log_problems(server)
+    record(
+        "Security",
+        f"Slowloris: {attackers} request heads sent one byte per 0.2 s "
+        "(--http-header-timeout 1); a POST declaring 100 bytes and sending none "
+        "(--http-body-timeout 1); a connection sending nothing",
+        f"{attackers + 2} connections, {len(prober.latencies)} probes",
+        f"each head a JSON 408 + close by {head_seconds:.2f} s, the body {body_seconds:.2f} s; "
+        f"the silent connection closed without a word at {silent_seconds:.2f} s; health probes "
+        f"meanwhile all 200, median {median * 1000:.1f} ms, worst {worst * 1000:.1f} ms",
+    )
+
+
+# -- framing -------------------------------------------------------------------------------
+
+
+def test_content_length_with_transfer_encoding_is_answered_then_closed(server: Served) -> None:
+    """A POST with both Content-Length and Transfer-Encoding is read as chunked, answered with
+    ``connection: close``, and its connection closed: the request hidden after its chunked body
+    is never answered (RFC 9112 §6.1)."""
+    with socket.create_connection(_host_port(server.http), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n" + _LIVE
+        )
+        reply, closed = _read_until_closed(sock, 5)
+    assert reply.count(b"HTTP/1.1 ") == 1, reply
+    status, headers, body = _answer(reply)
+    assert status == 200, reply[:300]
+    assert isinstance(json.loads(body), list)
+    assert headers.get("connection") == "close"
+    assert closed, "the connection stayed open"
+    assert get(server.http, "/v2/health/live")[0] == 200
+    record(
+        "Security",
+        "A POST with Content-Length and Transfer-Encoding: chunked, a second request "
+        "smuggled after its chunked body",
+        "1 connection",
+        "read as chunked, answered 200 with connection: close, then closed; the smuggled "
+        "request got no answer",
+    )
+
+
+def _infer_document() -> bytes:
+    return json.dumps(
+        {"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": [2, 1], "data": [1, 2]}]}
+    ).encode()
+
+
+def test_absurd_inference_header_content_length_is_400(server: Served) -> None:
+    """``Inference-Header-Content-Length`` of 5,000 digits, of 30 digits, or signed: a JSON 400
+    naming the header (no 500, no traceback), and the server keeps serving."""
+    path = "/v2/models/identity_plain/infer"
+    body = _infer_document()
+    values = ["9" * 5000, "1" * 30, "+5", "-1", "0x10"]
+    for value in values:
+        status, answer = post(server.http, path, body, {"Inference-Header-Content-Length": value})
+        assert status == 400, (value[:20], status, answer[:300])
+        assert "Inference-Header-Content-Length" in json.loads(answer)["error"], answer[:300]
+    status, answer = post(
+        server.http, path, body, {"Inference-Header-Content-Length": str(len(body))}
+    )
+    assert status == 200, answer[:300]
+    assert get(server.http, "/v2/health/live")[0] == 200
+    assert not _log_problems(server), _log_problems(server)
+    record(
+        "Bad input",
+        "Inference-Header-Content-Length of 5,000 digits, 30 digits, +5, -1, 0x10",
+        f"{len(values)} requests",
+        "each a JSON 400 naming the header, no traceback logged; the same body with its "
+        "true length then answered 200",
+    )
+
+
+def test_compressed_bodies_with_something_after_their_end_are_400(server: Served) -> None:
+    """A gzip body with a second member or trailing garbage, and a deflate body with trailing
+    garbage, get a JSON 400 saying so (instead of the rest being silently dropped)."""
+    path = "/v2/models/identity_plain/infer"
+    document = _infer_document()
+    cases = {
+        "gzip, a second member": (gzip.compress(document) + gzip.compress(b"{}"), "gzip"),
+        "gzip, trailing garbage": (gzip.compress(document) + b"garbage", "gzip"),
+        "deflate, trailing garbage": (zlib.compress(document) + b"garbage", "deflate"),
+    }
+    for name, (body, encoding) in cases.items():
+        status, answer = post(server.http, path, body, {"Content-Encoding": encoding})
+        assert status == 400, (name, status, answer[:300])
+        assert "after the end of its compressed data" in json.loads(answer)["error"], answer
+    status, answer = post(server.http, path, gzip.compress(document), {"Content-Encoding": "gzip"})
+    assert status == 200, answer[:300]
+    record(
+        "Bad input",
+        "Compressed bodies with more after their end: a second gzip member, garbage after "
+        "gzip, garbage after deflate",
+        f"{len(cases)} requests",
+        "each a JSON 400 saying bytes follow the compressed data; a plain gzip body then "
+        "answered 200",
+    )
+
+
+def test_an_input_with_json_and_binary_data_is_400(server: Served) -> None:
+    """An input carrying both JSON ``data`` and ``binary_data_size`` gets a JSON 400 naming
+    it (instead of the JSON values being silently ignored)."""
+    path = "/v2/models/identity_plain/infer"
+    values = np.array([[5.0], [6.0]], dtype=np.float32).tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN_FP32",
+                    "datatype": "FP32",
+                    "shape": [2, 1],
+                    "data": [1, 2],
+                    "parameters": {"binary_data_size": len(values)},
+                }
+            ]
+        }
+    ).encode()
+    status, answer = post(
+        server.http,
+        path,
+        header + values,
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 400, answer[:300]
+    error = json.loads(answer)["error"]
+    assert "IN_FP32" in error, error
+    assert "both" in error, error
+    assert get(server.http, "/v2/health/live")[0] == 200
+    record(
+        "Bad input",
+        "An infer input with both JSON data and binary_data_size (with its binary bytes)",
+        "1 request",
+        "a JSON 400 naming the input and saying it has both",
+    )
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+def test_request_cut_off_at_the_exit_timeout_gets_503() -> None:
+    """A request still running when the exit timeout (1 s) passes is answered with a JSON 503
+    saying the server is shutting down, not with a bare close; the server then exits 0."""
+    served = _start("--exit-timeout-secs", "1")
+    signalled = False
+    try:
+        body = json.dumps(
+            {"inputs": [{"name": "DELAY", "datatype": "FP32", "shape": [1], "data": [30.0]}]}
+        ).encode()
+        with socket.create_connection(_host_port(served.http), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            deadline = time.monotonic() + 20
+            while pending(served, "sleepy") < 1:
+                assert time.monotonic() < deadline, "the request never started"
+            served.process.send_signal(signal.SIGTERM)
+            signalled = True
+            began = time.monotonic()
+            reply, closed = _read_until_closed(sock, 20)
+            answered = time.monotonic() - began
+    finally:
+        code = _finish(served, signalled=signalled)
+    exited = time.monotonic() - began
+    assert code == 0, served.text()
+    assert reply, "a bare close"
+    status, headers, answer = _answer(reply)
+    assert status == 503, reply[:300]
+    assert headers.get("connection") == "close"
+    assert "shutting down" in json.loads(answer)["error"], answer
+    assert closed
+    assert answered < 1 + 3, answered
+    record(
+        "Faults",
+        "SIGTERM with --exit-timeout-secs 1 while an HTTP request sleeps 30 s in its model",
+        "1 request",
+        f"answered a JSON 503 (shutting down) + close {answered:.2f} s after SIGTERM; "
+        f"exit 0 at {exited:.1f} s",
+    )
