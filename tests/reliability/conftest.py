@@ -86,6 +86,23 @@ def _document() -> str:
         "types and shapes with wrong values under a request's key; the checks catch foreign, "
         "corrupted and misshapen entries, not forged values. Protect Redis with a password "
         "or ACL and TLS.",
+        "- Revisions fingerprint files, not behaviour: a repository model whose answers "
+        "depend on something outside its config and version folder (a file elsewhere, a "
+        "service it calls, the time) can still be answered from an entry made before that "
+        "changed; such a model should not enable the cache. A model made in Python is safe "
+        "only while its `revision` is changed with its code and data (its default is random, "
+        "never shared).",
+        "- Large requests still decode and encode on the event loop, and a request costs "
+        "several times its size in memory: one large request (tens of MiB of BYTES elements "
+        "or JSON numbers) still holds every other client for seconds. Not yet tested here; "
+        "keep `--http-max-input-size` and `--grpc-max-message-size` to what the machine can "
+        "afford.",
+        "- The stream backpressure test stops a client's reads with a proxy: gRPC's own "
+        "client library keeps reading into its memory however slowly its caller consumes, so "
+        "there the buffering moves into the client, not the server.",
+        "- The connection-limit and slowloris tests run one attacker at a time against one "
+        "server on loopback, with small limits and timeouts; a distributed attack at real "
+        "timeouts (60 s) holds up to --http-max-connections connections for that long.",
         "- Sizes: the load tests run for seconds, not days; `bench/soak.py` runs longer "
         "rounds (see docs/performance.md).",
     ]
