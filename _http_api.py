@@ -32,10 +32,12 @@ from ._http_server import (
     HttpServer,
     default_max_connections,
 )
+from ._offload import off_loop
 from ._server import AsyncServer
-from .protocols import ConfigError, InvalidRequestError, OrchestrionError
+from .protocols import ConfigError, InferResponse, InvalidRequestError, OrchestrionError
 from .protocols._kserve import (
     HEADER_LENGTH,
+    WireRequest,
     decode_http_request,
     encode_http_response,
     error_body,
@@ -157,6 +159,24 @@ class HttpApi:
                 "gives one response; use gRPC ModelStreamInfer"
             )
         headers = request.headers
+        # A compressed body inflates to up to --http-max-input-size: count it larger.
+        compressed = headers.get(b"content-encoding", b"identity").lower() != b"identity"
+        size = len(request.body) * (32 if compressed else 1)
+        wire = await off_loop(size, self._decoded_request, name, version, request)
+        traceparent = headers.get(b"traceparent")
+        response = await self.server.infer(
+            wire.model_name,
+            wire.inputs,
+            **wire.infer_arguments(),
+            timeout=wire.timeout,
+            traceparent=traceparent.decode("latin-1") if traceparent else None,
+        )
+        size = sum(int(a.nbytes) for a in response.outputs.values())
+        return await off_loop(size, self._encoded_response, response, wire, headers)
+
+    def _decoded_request(self, name: str, version: str, request: HttpRequest) -> WireRequest:
+        """The request in the body (inflated, its header length checked): CPU work."""
+        headers = request.headers
         body = self._decoded_body(request)
         length = headers.get(HEADER_LENGTH.encode())
         header_length = None
@@ -171,15 +191,13 @@ class HttpApi:
                     f"{len(body)} bytes"
                 )
             header_length = int(length)
-        wire = decode_http_request(name, version, body, header_length)
-        traceparent = headers.get(b"traceparent")
-        response = await self.server.infer(
-            wire.model_name,
-            wire.inputs,
-            **wire.infer_arguments(),
-            timeout=wire.timeout,
-            traceparent=traceparent.decode("latin-1") if traceparent else None,
-        )
+        return decode_http_request(name, version, body, header_length)
+
+    @staticmethod
+    def _encoded_response(
+        response: InferResponse, wire: WireRequest, headers: dict[bytes, bytes]
+    ) -> Answer:
+        """The answer to an infer request (compressed if the client accepts it): CPU work."""
         chunks, json_length = encode_http_response(response, wire)
         answer = list(_JSON)
         if json_length is not None:

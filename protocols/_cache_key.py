@@ -23,14 +23,16 @@ import functools
 import json
 import struct
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 import attrs
 import numpy as np
 import xxhash
 
+from ._bytes_wire import decode_bytes, element_bytes, encode_bytes
 from ._dtypes import DataType
+from ._errors import InvalidRequestError
 from ._messages import Tensors
 
 TensorSignature: TypeAlias = tuple[str, str, tuple[int, ...], int]
@@ -94,18 +96,8 @@ class CacheEntry:
 
 def _data_nbytes(array: np.ndarray[Any, Any]) -> int:
     if array.dtype.kind == "O":
-        return sum(len(_element(e)) for e in array.flat)
+        return sum(len(element_bytes(e)) for e in array.flat)
     return int(array.nbytes)
-
-
-def _element(item: object) -> bytes:
-    if isinstance(item, bytes):
-        return item
-    if isinstance(item, str):
-        return item.encode()
-    if isinstance(item, bytearray | memoryview):
-        return bytes(item)
-    raise TypeError(f"BYTES elements must be bytes or str, got {type(item).__name__}")
 
 
 _TYPE_NAMES: dict[np.dtype[Any], str] = {}
@@ -155,14 +147,6 @@ def _raw(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return array.reshape(-1).view(np.uint8)
 
 
-def _serialized_bytes(array: np.ndarray[Any, Any]) -> Iterator[bytes]:
-    """A BYTES tensor as Triton's wire format: each element as a 4-byte length + bytes."""
-    for item in array.flat:
-        data = _element(item)
-        yield _LENGTH.pack(len(data))
-        yield data
-
-
 def cache_key(
     model_name: str,
     model_version: int,
@@ -194,12 +178,11 @@ def cache_key(
         type_name = _type_name(array)
         shape = tuple(map(int, array.shape))
         if array.dtype.kind == "O":
-            parts = list(_serialized_bytes(array))
-            nbytes = sum(map(len, parts))
+            data = encode_bytes(array)
+            nbytes = len(data)
             # Every variable-length field is length-prefixed: no two inputs share material.
             hasher.update(_input_header(input_name, type_name, shape, nbytes))
-            for part in parts:
-                hasher.update(part)
+            hasher.update(data)
         else:
             nbytes = int(array.nbytes)
             hasher.update(_input_header(input_name, type_name, shape, nbytes))
@@ -260,7 +243,7 @@ def entry_cost(entry: CacheEntry, key_size: int = 0) -> int:
         header = sys.getsizeof(array) - (array.nbytes if array.base is None else 0)
         cost += sys.getsizeof(name) + header + _data_nbytes(array)
         if array.dtype.kind == "O":
-            cost += sum(sys.getsizeof(e) - len(_element(e)) for e in array.flat)
+            cost += sum(sys.getsizeof(e) - len(element_bytes(e)) for e in array.flat)
     return cost
 
 
@@ -270,9 +253,9 @@ def encode_entry(entry: CacheEntry) -> bytes:
     payload: list[Any] = []
     for name, array in entry.outputs.items():
         if array.dtype.kind == "O":
-            parts = list(_serialized_bytes(array))
-            nbytes = sum(len(p) for p in parts)
-            payload.extend(parts)
+            data = encode_bytes(array)
+            nbytes = len(data)
+            payload.append(data)
         else:
             payload.append(_raw(array))
             nbytes = int(array.nbytes)
@@ -346,22 +329,10 @@ def _tensor(
         raise ValueError(f"cache entry output '{name}' has unknown type {type_name!r}") from None
     count = int(np.prod(shape, dtype=np.int64))
     if data_type is DataType.BYTES:
-        items: list[bytes] = []
-        at = 0
-        while at < len(chunk):
-            if at + _LENGTH.size > len(chunk):
-                raise ValueError(f"cache entry output '{name}' has a truncated element")
-            (size,) = _LENGTH.unpack_from(chunk, at)
-            at += _LENGTH.size
-            if at + size > len(chunk):
-                raise ValueError(f"cache entry output '{name}' has a truncated element")
-            items.append(bytes(chunk[at : at + size]))
-            at += size
-        if len(items) != count:
-            raise ValueError(f"cache entry output '{name}' has {len(items)} elements, not {count}")
-        array = np.empty(count, dtype=object)
-        array[:] = items
-        array = array.reshape(shape)
+        try:
+            array = decode_bytes(chunk, count, name).reshape(shape)
+        except InvalidRequestError as exc:
+            raise ValueError(f"cache entry output {exc}") from None
         array.flags.writeable = False
         return array
     dtype = data_type.numpy_dtype

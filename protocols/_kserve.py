@@ -12,7 +12,7 @@ is here too; the gRPC messages are in `_kserve_grpc`.
 from __future__ import annotations
 
 import json
-import struct
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
@@ -21,6 +21,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
+from ._bytes_wire import decode_bytes, encode_bytes
 from ._config import ModelConfig
 from ._converter import model_config_to_dict
 from ._dtypes import DataType
@@ -309,7 +310,7 @@ def tensor_from_bytes(
     """
     count = element_count(shape, tensor)
     if dtype is DataType.BYTES:
-        return _bytes_elements(buffer, count, tensor).reshape(tuple(shape))
+        return decode_bytes(buffer, count, tensor).reshape(tuple(shape))
     expected = count * dtype.numpy_dtype.itemsize
     if len(buffer) != expected:
         raise InvalidRequestError(
@@ -321,45 +322,10 @@ def tensor_from_bytes(
     return array
 
 
-def _bytes_elements(buffer: bytes | memoryview, count: int, tensor: str) -> np.ndarray[Any, Any]:
-    view = memoryview(buffer)
-    if count * 4 > len(view):  # each element has a 4-byte length: check before allocating
-        raise InvalidRequestError(
-            f"input '{tensor}': {len(view)} bytes cannot hold {count} BYTES elements (4-byte "
-            "length prefixes)"
-        )
-    out = np.empty(count, dtype=object)
-    offset = 0
-    for i in range(count):
-        if offset + 4 > len(view):
-            raise InvalidRequestError(
-                f"input '{tensor}': BYTES data ends after {i} of {count} elements"
-            )
-        (length,) = struct.unpack_from("<I", view, offset)
-        offset += 4
-        if offset + length > len(view):
-            raise InvalidRequestError(
-                f"input '{tensor}': BYTES element {i} claims {length} bytes, only "
-                f"{len(view) - offset} remain"
-            )
-        out[i] = bytes(view[offset : offset + length])
-        offset += length
-    if offset != len(view):
-        raise InvalidRequestError(
-            f"input '{tensor}': {len(view) - offset} bytes left over after {count} BYTES elements"
-        )
-    return out
-
-
 def tensor_to_bytes(array: np.ndarray[Any, Any]) -> bytes | memoryview:
     """An output tensor's raw bytes (BYTES: 4-byte little-endian length prefixes)."""
     if array.dtype.kind in "OSU":
-        parts: list[bytes] = []
-        for item in array.reshape(-1):
-            data = item.encode() if isinstance(item, str) else bytes(item)
-            parts.append(struct.pack("<I", len(data)))
-            parts.append(data)
-        return b"".join(parts)
+        return encode_bytes(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
@@ -572,6 +538,8 @@ def encode_http_response(
     """
     outputs: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
+    large: list[bytes] = []
+    nonce = secrets.token_hex(16) + ":"
     for name, array in response.outputs.items():
         dtype = DataType.from_numpy(array.dtype)
         entry: dict[str, Any] = {
@@ -583,6 +551,11 @@ def encode_http_response(
             raw = tensor_to_bytes(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
+        elif array.size > _JSON_BLOCK:
+            # Written apart, block by block, and spliced in below: one json.dumps of millions
+            # of numbers would hold the GIL (so the event loop) for a second or more.
+            entry["data"] = f"{nonce}{len(large)}"  # unguessable: no client string can match
+            large.append(_json_data_text(array, dtype, name))
         else:
             entry["data"] = _json_data(array, dtype, name)
         outputs.append(entry)
@@ -596,7 +569,26 @@ def encode_http_response(
         document["parameters"] = dict(response.parameters)  # the sequence ones among them
     document["outputs"] = outputs
     header = json.dumps(document, separators=(",", ":")).encode()
+    for index, text in enumerate(large):
+        header = header.replace(f'"{nonce}{index}"'.encode(), text, 1)
     return [header, *chunks], (len(header) if chunks else None)
+
+
+_JSON_BLOCK = 1 << 16
+"""Elements of an output written as JSON in one call (a few milliseconds holding the GIL)."""
+
+
+def _json_data_text(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> bytes:
+    """A large output's JSON ``data`` array as text, written one block of elements at a
+    time (between blocks, other threads get the GIL)."""
+    flat = array.reshape(-1)
+    parts = [
+        json.dumps(_json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":"))[
+            1:-1
+        ]
+        for at in range(0, flat.size, _JSON_BLOCK)
+    ]
+    return ("[" + ",".join(p for p in parts if p) + "]").encode()
 
 
 def _json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[Any]:

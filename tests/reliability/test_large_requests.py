@@ -1,0 +1,158 @@
+"""One client with large requests against everyone else: decoding and encoding a big body
+happens off the event loop (health probes stay prompt), at a cost per byte rather than per
+element, and in memory a small multiple of the request's size."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from reliability_report import SIZE, record
+from served import Served, start_server
+
+_MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class _Prober:
+    """GET /v2/health/live every 20 ms on its own keep-alive connection, timing each, and
+    the server's RSS after each."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.connection = http.client.HTTPConnection(served.http, timeout=60)
+        self.latencies: list[float] = []
+        self.rss_kib: list[int] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> _Prober:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.done.is_set() and time.monotonic() < deadline:
+            began = time.perf_counter()
+            self.connection.request("GET", "/v2/health/live")
+            response = self.connection.getresponse()
+            response.read()
+            assert response.status == 200
+            self.latencies.append(time.perf_counter() - began)
+            self.rss_kib.append(_rss_kib(self.served))
+            self.done.wait(0.02)
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(60)
+        self.connection.close()
+
+
+def _rss_kib(served: Served) -> int:
+    with open(f"/proc/{served.process.pid}/status") as file:
+        match = re.search(r"VmRSS:\s+(\d+) kB", file.read())
+    assert match is not None
+    return int(match.group(1))
+
+
+def _post(served: Served, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, float]:
+    connection = http.client.HTTPConnection(served.http, timeout=300)
+    try:
+        began = time.perf_counter()
+        connection.request("POST", "/v2/models/identity_plain/infer", body, headers)
+        response = connection.getresponse()
+        answer = response.read()
+        return response.status, answer, time.perf_counter() - began
+    finally:
+        connection.close()
+
+
+def _binary_request(name: str, datatype: str, shape: list[int], raw: bytes, *, json_out: bool):
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": datatype,
+                    "shape": shape,
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "outputs": [{"name": "OUT_" + name[3:], "parameters": {"binary_data": not json_out}}],
+        }
+    ).encode()
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+    return header + raw, headers
+
+
+def test_large_bodies_leave_the_event_loop(served: Served) -> None:
+    """A 64 MiB body of empty BYTES elements, tens of millions of JSON numbers, and a large
+    output asked for as JSON: each is served while health probes keep answering promptly,
+    and the server's memory peaks at a small multiple of the request."""
+    scale = max(1, SIZE // 3000)
+    count = 16 * _MIB - 65536  # just under 64 MiB of length prefixes: the most allowed
+    numbers = 4 * _MIB * min(scale, 4)
+    floats = np.arange(8 * _MIB, dtype=np.float32)
+    cases = {
+        f"{count / _MIB:.0f}M empty BYTES elements (64 MiB, binary)": _binary_request(
+            "IN_BYTES", "BYTES", [2, count // 2], bytes(4 * count), json_out=False
+        ),
+        f"{numbers / _MIB:.0f}M JSON numbers in, binary out": (
+            json.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "IN_INT32",
+                            "datatype": "INT32",
+                            "shape": [2, numbers // 2],
+                            "data": [7] * numbers,
+                        }
+                    ],
+                    "outputs": [{"name": "OUT_INT32", "parameters": {"binary_data": True}}],
+                }
+            ).encode(),
+            {},
+        ),
+        "32 MiB of FP32 in, asked for as JSON (8M numbers out)": _binary_request(
+            "IN_FP32", "FP32", [2, floats.size // 2], floats.tobytes(), json_out=True
+        ),
+    }
+    rows = []
+    for what, (body, headers) in cases.items():
+        rss_before = _rss_kib(served)
+        with _Prober(served) as prober:
+            prober.done.wait(0.2)  # a few probes before, to compare
+            status, answer, took = _post(served, body, headers)
+        assert status == 200, answer[:300]
+        worst = max(prober.latencies)
+        peak = (max(prober.rss_kib) - rss_before) * 1024 / len(body)
+        rows.append((what, len(body), took, len(prober.latencies), worst, peak))
+        assert worst < 1.0, f"{what}: a health probe waited {worst:.2f} s"
+        del answer
+    record(
+        "Load",
+        "One client's large HTTP requests (identity model) while a prober asks "
+        "/v2/health/live every 20 ms: " + "; ".join(what for what, *_ in rows),
+        f"{len(rows)} requests of {', '.join(f'{size / _MIB:.0f}' for _, size, *_ in rows)} MiB",
+        "answered in "
+        + ", ".join(f"{took:.1f} s" for _, _, took, *_ in rows)
+        + "; the slowest probe during each "
+        + ", ".join(f"{worst * 1000:.0f} ms" for *_, worst, _ in rows)
+        + "; the server's peak memory above its resting size "
+        + ", ".join(f"{peak:.1f}x" for *_, peak in rows)
+        + " the body (RSS sampled every 20 ms)",
+    )
