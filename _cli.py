@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ._examples import Example, load_example
+from ._grpc_api import DEFAULT_MAX_MESSAGE_SIZE
 from ._serve import Endpoints, ServeOptions, serve
 from ._server import AsyncServer, open_server
 from .actors import load_model_code, scan_repository
@@ -137,9 +138,10 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
     network.add_argument(
         "--grpc-max-message-size",
         type=int,
-        default=2**31 - 1,
+        default=DEFAULT_MAX_MESSAGE_SIZE,
         metavar="BYTES",
-        help="largest gRPC message accepted or sent (default: 2 GiB - 1, as Triton)",
+        help="largest gRPC message accepted or sent (default: 256 MiB; Triton's is 2 GiB - 1: "
+        "a request costs about 10x its size in memory at its peak)",
     )
     models = serve.add_argument_group("models")
     models.add_argument(

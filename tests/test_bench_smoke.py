@@ -41,6 +41,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
         (["vs_triton/inprocess.py", "--requests", "300"], ["no batching", "CPU µs/request"]),
         (["soak.py", "--quick"], ["RSS slope after warm-up", "RSS MiB"]),
+        (["large_requests.py", "--quick"], ["peak / size", "slowest probe ms"]),
         # The in-process parts only: Ray Serve and the perf_analyzer runs need downloads.
         (
             ["compare.py", "--quick", "--skip", "ray,network", "--no-docs"],
@@ -67,6 +68,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "bridge",
         "vs_triton_inprocess",
         "soak",
+        "large_requests",
         "compare",
         "grpc_ceiling",
     ],
