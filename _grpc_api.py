@@ -43,6 +43,7 @@ from .protocols import (
 )
 from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
 from .protocols._kserve_grpc import (
+    declared_size,
     decode_grpc_request,
     encode_grpc_response,
     final_response,
@@ -51,6 +52,7 @@ from .protocols._kserve_grpc import (
     model_statistics_message,
     parameter_value,
     repository_index_message,
+    serialized_grpc_response,
     server_metadata_message,
 )
 
@@ -342,7 +344,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def _infer(self, message: Any, traceparent: str | None) -> Any:
         # Decoding and encoding happen here, on trio, so that a large message is handled in
         # a worker thread instead of holding the asyncio loop that every gRPC call shares.
-        wire = await off_loop(message.ByteSize(), decode_grpc_request, message)
+        wire = await off_loop(declared_size(message), decode_grpc_request, message)
         if self.server.is_decoupled(wire.model_name):
             raise InvalidRequestError(
                 f"model '{wire.model_name}' is decoupled (zero or many responses per request): "
@@ -356,7 +358,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             traceparent=traceparent,
         )
         size = sum(int(a.nbytes) for a in response.outputs.values())
-        return await off_loop(size, encode_grpc_response, response)
+        return await off_loop(size, serialized_grpc_response, response)
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         """No shared memory regions: orchestrion does not offer shared memory."""
@@ -539,7 +541,7 @@ class _Stream:
         try:
             if isinstance(message, _Undecodable):
                 raise InvalidRequestError(message.error)
-            wire = await off_loop(message.ByteSize(), decode_grpc_request, message)
+            wire = await off_loop(declared_size(message), decode_grpc_request, message)
         except Exception as exc:  # one bad request fails alone; the stream goes on
             self._window.release()
             if not isinstance(exc, OrchestrionError):
@@ -711,6 +713,17 @@ def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Awaita
     return unary
 
 
+def _serializer(message_type: Any) -> Callable[[Any], bytes]:
+    """The message's own serializer, passing through what is serialized already
+    (`serialized_grpc_response`)."""
+    serialize = message_type.SerializeToString
+
+    def serializer(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return serializer
+
+
 def _handlers(service: InferenceService) -> grpc.GenericRpcHandler:
     """The service's methods, as the generated code registers them, with lenient decoding."""
     descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -721,7 +734,7 @@ def _handlers(service: InferenceService) -> grpc.GenericRpcHandler:
         behaviour = getattr(service, method.name)
         coding = {
             "request_deserializer": _lenient(request_type.FromString),
-            "response_serializer": response_type.SerializeToString,
+            "response_serializer": _serializer(response_type),
         }
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **coding)

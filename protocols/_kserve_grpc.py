@@ -167,6 +167,57 @@ def encode_grpc_response(response: InferResponse, *, final: bool | None = None) 
     return message
 
 
+def serialized_grpc_response(response: InferResponse) -> bytes:
+    """`encode_grpc_response`'s message, serialized: the same bytes a client parses, made
+    with one copy of the tensors. protobuf's own serializer (upb) takes ~10 ns a byte of a
+    large ``bytes`` field (2.8 s for 256 MiB, holding the GIL), so the raw contents are
+    written here as what they are on the wire: field 6, length-delimited, after the rest."""
+    message = service_pb2.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=str(response.model_version),
+        id=response.request_id,
+    )
+    for key, value in response.parameters.items():
+        set_parameter(message.parameters[key], value)
+    parts: list[bytes | memoryview] = []
+    for name, array in response.outputs.items():
+        output = message.outputs.add()
+        output.name = name
+        output.datatype = DataType.from_numpy(array.dtype).value
+        output.shape.extend(array.shape)
+        raw = tensor_to_bytes(array)
+        parts += [_RAW_OUTPUT_TAG, _varint(len(raw)), raw]
+    return b"".join([message.SerializeToString(), *parts])
+
+
+_RAW_OUTPUT_TAG = bytes([6 << 3 | 2])
+"""``raw_output_contents`` (field 6) as a length-delimited field."""
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def declared_size(message: Any) -> int:
+    """About how many bytes a ``ModelInferRequest``'s tensors hold, from their shapes (cheap:
+    ``ByteSize()`` serializes the whole message to find out)."""
+    total = 0
+    for tensor in message.inputs:
+        count = 1
+        for dim in tensor.shape:
+            count *= max(int(dim), 0)
+        total += min(count, 2**40) * 4
+    return total
+
+
 def final_response(model_name: str, model_version: str, request_id: str) -> Any:
     """The empty response that ends a decoupled request's stream
     (``triton_enable_empty_final_response``)."""

@@ -9,7 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.grpc import service_pb2
@@ -34,7 +34,11 @@ from orchestrion.protocols._kserve import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from orchestrion.protocols._kserve_grpc import decode_grpc_request, encode_grpc_response
+from orchestrion.protocols._kserve_grpc import (
+    decode_grpc_request,
+    encode_grpc_response,
+    serialized_grpc_response,
+)
 
 NUMERIC = [t for t in DataType if t is not DataType.BYTES]
 
@@ -325,3 +329,28 @@ def test_metadata_and_config_documents() -> None:
         "instance_group [{ count: 1 kind: KIND_CPU }, { count: 3 kind: KIND_CPU }]"
     )
     assert [g["count"] for g in model_config_json(two)["instance_group"]] == [1, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.sampled_from([np.float32, np.int64, np.uint8, np.bool_, object]), max_size=4),
+    st.integers(0, 300),
+    st.dictionaries(st.sampled_from(["sequence_id", "sequence_end"]), st.integers(0, 2**64 - 1)),
+)
+def test_serialized_response_parses_as_the_message(
+    kinds: list[Any], size: int, parameters: dict[str, int]
+) -> None:
+    """The hand-written serialization of a ModelInferResponse parses back into exactly the
+    message protobuf makes (outputs of every kind, empty and large raw contents)."""
+    outputs = {}
+    for index, kind in enumerate(kinds):
+        if kind is object:
+            array = np.array([b"x" * (i % 5) for i in range(size)], dtype=object)
+        else:
+            array = (np.arange(size) % 2).astype(kind)
+        outputs[f"OUT{index}"] = array
+    response = InferResponse(
+        model_name="m", model_version=3, request_id="r", outputs=outputs, parameters=parameters
+    )
+    parsed = service_pb2.ModelInferResponse.FromString(serialized_grpc_response(response))
+    assert parsed == encode_grpc_response(response)
