@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .caches import ResponseCache as ResponseCache
     from .protocols import CacheStatistics as CacheStatistics
     from .protocols import CacheUnavailableError as CacheUnavailableError
+    from .protocols import CacheWriteRefusedError as CacheWriteRefusedError
     from .protocols import ConfigError as ConfigError
     from .protocols import DataType as DataType
     from .protocols import EnsembleScheduling as EnsembleScheduling
@@ -56,6 +57,7 @@ _WHERE = {
         for name in (
             "CacheStatistics",
             "CacheUnavailableError",
+            "CacheWriteRefusedError",
             "ConfigError",
             "DataType",
             "EnsembleScheduling",

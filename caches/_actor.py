@@ -19,9 +19,10 @@ request wait: they are queued and the workers write them (dropped, and counted, 
 is full); until a queued insert is written, lookups of its key are answered from the queue,
 so a request that follows a miss always hits. When the backend fails, the actor answers
 "miss" and drops inserts for the cache's ``retry_interval``, logs one error per outage, and
-logs again when it recovers. A backend that answers but refuses to store (`InsertRefusedError`:
-a full Redis) is not down: lookups go on, the refused entries are counted as not stored, and
-one warning is logged when the refusals begin (at most one a minute).
+logs again when it recovers. A backend that answers but refuses to store
+(`CacheWriteRefusedError`: a full Redis) is not down: lookups go on, the refused entries are
+counted as not stored, and one warning is logged when the refusals begin (at most one a
+minute).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from ..protocols import (
     CacheKey,
     CacheStatistics,
     CacheUnavailableError,
+    CacheWriteRefusedError,
     InferResponse,
-    OrchestrionError,
     frozen_outputs,
 )
 from ._protocol import ResponseCache
@@ -52,21 +53,6 @@ QUEUE_SIZE = 1024
 """Operations that may wait for the workers; lookups beyond it wait for room."""
 MAX_BATCH = 256
 """Operations one worker hands to the cache at once."""
-
-
-class InsertRefusedError(OrchestrionError, RuntimeError):
-    """The cache's backend answered, but refused to store ``refused`` of the entries given
-    to `ResponseCache.insert` (a Redis at its ``maxmemory`` with the policy noeviction, a
-    read-only replica, an ACL that forbids writes).
-
-    The operator's to fix (more memory, an eviction policy, a TTL). It is not an outage: the
-    cache actor keeps looking entries up, counts the refused ones as not stored and logs one
-    warning when the refusals begin.
-    """
-
-    def __init__(self, message: str, *, refused: int) -> None:
-        super().__init__(message)
-        self.refused = refused
 
 
 @attrs.define(eq=False)
@@ -307,7 +293,7 @@ class CacheActor:
             start = time.perf_counter_ns()
             try:
                 self.cache.insert_nowait(entry)
-            except InsertRefusedError as exc:
+            except CacheWriteRefusedError as exc:
                 self._refused(exc, 1)
             except Exception as exc:
                 self._failed(exc)
@@ -363,7 +349,7 @@ class CacheActor:
             self._available = True
             _log.warning("%s cache is available again; caching resumed", self.name)
 
-    def _refused(self, exc: InsertRefusedError, count: int) -> None:
+    def _refused(self, exc: CacheWriteRefusedError, count: int) -> None:
         """The backend answered but did not store ``exc.refused`` of ``count`` entries: not
         an outage (lookups go on); warn once when the refusals begin, at most once a minute
         (a Redis just at its limit takes a write now and then, refuses the next ones)."""
@@ -466,7 +452,7 @@ class CacheActor:
         self.batches += 1
         try:
             await self.cache.insert(inserts)
-        except InsertRefusedError as exc:
+        except CacheWriteRefusedError as exc:
             self._refused(exc, len(inserts))
         except Exception as exc:
             self._failed(exc)

@@ -46,8 +46,10 @@ class ResponseCache(abc.ABC):
 
     Errors: raise `CacheUnavailableError` (``from`` the backend's exception) when the backend
     cannot be used; the actor then serves requests uncached, logs once per outage, and tries
-    again after ``retry_interval`` seconds. Any other exception is treated the same way and
-    logged with its traceback, since it is a bug in the cache.
+    again after ``retry_interval`` seconds. Raise `CacheWriteRefusedError` from `insert`
+    when the backend is up but refused to store some entries (it is full, say): lookups go on,
+    the refused entries count as not stored, and one warning is logged. Any other exception
+    is treated as an outage and logged with its traceback, since it is a bug in the cache.
     """
 
     immediate: ClassVar[bool] = False

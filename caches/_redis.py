@@ -8,7 +8,7 @@ thread hop is paid per batch, not per request. Values are orchestrion's data-onl
 format (`encode_entry`), under ``<prefix><32 hex digits>``, with an optional TTL. Every
 redis-py error becomes a `CacheUnavailableError`, which the actor turns into uncached
 service until Redis answers again; except error replies to SETs (a full Redis answers OOM,
-a replica READONLY), which become an `InsertRefusedError`: Redis is up and still serves
+a replica READONLY), which become an `CacheWriteRefusedError`: Redis is up and still serves
 reads, only the refused entries are lost.
 """
 
@@ -30,6 +30,7 @@ from ..protocols import (
     CacheEntry,
     CacheKey,
     CacheUnavailableError,
+    CacheWriteRefusedError,
     ConfigError,
     check_option_names,
     decode_entry,
@@ -37,7 +38,7 @@ from ..protocols import (
     option_bool,
     option_int,
 )
-from ._actor import InsertRefusedError, Throttled
+from ._actor import Throttled
 from ._protocol import ResponseCache
 
 _log = logging.getLogger("orchestrion.caches")
@@ -133,7 +134,7 @@ class RedisCache(ResponseCache):
 
         Raises:
             CacheUnavailableError: Redis cannot be reached, or did not answer in time.
-            InsertRefusedError: Redis answered some SETs with an error (a full Redis: OOM).
+            CacheWriteRefusedError: Redis answered some SETs with an error (a full Redis: OOM).
         """
         # Encoding copies the tensors: done in the worker thread, off the event loop.
         await trio.to_thread.run_sync(self._set_many, list(entries), limiter=self._limiter)
@@ -152,7 +153,7 @@ class RedisCache(ResponseCache):
             raise CacheUnavailableError(f"Redis at {self.address}: {exc}") from exc
         refusals = [r for r in replies if isinstance(r, redis.exceptions.ResponseError)]
         if refusals:
-            raise InsertRefusedError(
+            raise CacheWriteRefusedError(
                 f"Redis at {self.address} refused {len(refusals)} of {len(items)} writes: "
                 f"{_reply(refusals[0])}",
                 refused=len(refusals),

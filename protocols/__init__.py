@@ -43,6 +43,7 @@ from ._ensemble import StepPlan as StepPlan
 from ._ensemble import is_decoupled as is_decoupled
 from ._ensemble import validate_ensemble as validate_ensemble
 from ._errors import CacheUnavailableError as CacheUnavailableError
+from ._errors import CacheWriteRefusedError as CacheWriteRefusedError
 from ._errors import ConfigError as ConfigError
 from ._errors import InferenceError as InferenceError
 from ._errors import InferenceTimeoutError as InferenceTimeoutError

@@ -83,6 +83,21 @@ class CacheUnavailableError(OrchestrionError, ConnectionError):
     """
 
 
+class CacheWriteRefusedError(OrchestrionError, RuntimeError):
+    """The cache's backend answered, but refused to store ``refused`` of the entries given
+    to ``ResponseCache.insert`` (a Redis at its ``maxmemory`` with the policy noeviction, a
+    read-only replica, an ACL that forbids writes).
+
+    The operator's to fix (more memory, an eviction policy, a TTL). It is not an outage: the
+    cache actor keeps looking entries up, counts the refused ones as not stored and logs one
+    warning when the refusals begin.
+    """
+
+    def __init__(self, message: str, *, refused: int) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
 class QueueFullError(OrchestrionError, RuntimeError):
     """A model's queue is full (``dynamic_batching`` ``max_queue_size``): the request was
     refused without running, to shed load.

@@ -101,6 +101,7 @@ def test_public_names() -> None:
             "AsyncServer",
             "CacheStatistics",
             "CacheUnavailableError",
+            "CacheWriteRefusedError",
             "ConfigError",
             "DataType",
             "EnsembleScheduling",
