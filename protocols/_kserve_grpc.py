@@ -144,11 +144,8 @@ def _from_contents(tensor: Any, dtype: DataType, shape: list[int]) -> np.ndarray
     return numeric_array(values, dtype, shape, tensor.name)
 
 
-def encode_grpc_response(response: InferResponse, *, final: bool | None = None) -> Any:
-    """A ``ModelInferResponse`` with every output in ``raw_output_contents``.
-
-    ``final`` sets the ``triton_final_response`` parameter (streams).
-    """
+def _described(response: InferResponse, final: bool | None) -> tuple[Any, list[Any]]:
+    """A ``ModelInferResponse`` of everything but the raw contents, and the raw contents."""
     message = service_pb2.ModelInferResponse(
         model_name=response.model_name,
         model_version=str(response.model_version),
@@ -158,12 +155,23 @@ def encode_grpc_response(response: InferResponse, *, final: bool | None = None) 
         set_parameter(message.parameters[key], value)
     if final is not None:
         message.parameters["triton_final_response"].bool_param = final
+    raws = []
     for name, array in response.outputs.items():
         output = message.outputs.add()
         output.name = name
         output.datatype = DataType.from_numpy(array.dtype).value
         output.shape.extend(array.shape)
-        message.raw_output_contents.append(bytes(tensor_to_bytes(array)))
+        raws.append(tensor_to_bytes(array))
+    return message, raws
+
+
+def encode_grpc_response(response: InferResponse, *, final: bool | None = None) -> Any:
+    """A ``ModelInferResponse`` with every output in ``raw_output_contents``.
+
+    ``final`` sets the ``triton_final_response`` parameter (streams).
+    """
+    message, raws = _described(response, final)
+    message.raw_output_contents.extend(bytes(raw) for raw in raws)
     return message
 
 
@@ -172,22 +180,11 @@ def serialized_grpc_response(response: InferResponse) -> bytes:
     with one copy of the tensors. protobuf's own serializer (upb) takes ~10 ns a byte of a
     large ``bytes`` field (2.8 s for 256 MiB, holding the GIL), so the raw contents are
     written here as what they are on the wire: field 6, length-delimited, after the rest."""
-    message = service_pb2.ModelInferResponse(
-        model_name=response.model_name,
-        model_version=str(response.model_version),
-        id=response.request_id,
-    )
-    for key, value in response.parameters.items():
-        set_parameter(message.parameters[key], value)
-    parts: list[bytes | memoryview] = []
-    for name, array in response.outputs.items():
-        output = message.outputs.add()
-        output.name = name
-        output.datatype = DataType.from_numpy(array.dtype).value
-        output.shape.extend(array.shape)
-        raw = tensor_to_bytes(array)
+    message, raws = _described(response, None)
+    parts = [message.SerializeToString()]
+    for raw in raws:
         parts += [_RAW_OUTPUT_TAG, _varint(len(raw)), raw]
-    return b"".join([message.SerializeToString(), *parts])
+    return b"".join(parts)
 
 
 _RAW_OUTPUT_TAG = bytes([6 << 3 | 2])
