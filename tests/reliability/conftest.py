@@ -92,11 +92,13 @@ def _document() -> str:
         "changed; such a model should not enable the cache. A model made in Python is safe "
         "only while its `revision` is changed with its code and data (its default is random, "
         "never shared).",
-        "- Large requests still decode and encode on the event loop, and a request costs "
-        "several times its size in memory: one large request (tens of MiB of BYTES elements "
-        "or JSON numbers) still holds every other client for seconds. Not yet tested here; "
-        "keep `--http-max-input-size` and `--grpc-max-message-size` to what the machine can "
-        "afford.",
+        "- Large bodies are decoded and encoded in worker threads, but some single calls "
+        "still hold the GIL, so the event loop, for their whole duration: Python's "
+        "`json.loads` of a JSON document (about 35 ns a number: 0.56 s for 16M numbers, about "
+        "1.1 s at the 64 MiB limit), and grpcio's and protobuf's copies of a large gRPC "
+        'message (about 1.8 s per 256 MiB; `docs/performance.md`, "Large requests"). A '
+        "BYTES element still costs a Python object. The default limits (64 MiB HTTP, 256 MiB "
+        "gRPC) bound what one request can do; the test above runs at CI-sized bodies.",
         "- The stream backpressure test stops a client's reads with a proxy: gRPC's own "
         "client library keeps reading into its memory however slowly its caller consumes, so "
         "there the buffering moves into the client, not the server.",

@@ -105,7 +105,7 @@ def test_large_bodies_leave_the_event_loop(served: Served) -> None:
     and the server's memory peaks at a small multiple of the request."""
     scale = max(1, SIZE // 3000)
     count = 16 * _MIB - 65536  # just under 64 MiB of length prefixes: the most allowed
-    numbers = 4 * _MIB * min(scale, 4)
+    numbers = 4 * _MIB * min(scale, 2)
     floats = np.arange(8 * _MIB, dtype=np.float32)
     cases = {
         f"{count / _MIB:.0f}M empty BYTES elements (64 MiB, binary)": _binary_request(
