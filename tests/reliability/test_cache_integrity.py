@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,4 +267,46 @@ def test_replicas_of_other_revisions_never_share_entries(tmp_path: Path) -> None
         "3 servers, 2 cached models each",
         "each answered with its own code (no hit across revisions); the identical deploy hit "
         "the first one's entries",
+    )
+
+
+def test_a_forged_entrys_parameters_never_reach_a_client(tmp_path: Path) -> None:
+    """A writer with access to Redis adds response parameters (another client's sequence id)
+    to a stored entry's header: the hit is served with the hitting request's own parameters
+    (none), since entries carry outputs only."""
+    redis = RedisServer(tmp_path)
+    redis.start()
+    served = start_server(*[f"--cache-config={value}" for value in redis.cache_config])
+    store = redis_client.Redis(port=redis.port)
+    try:
+        status, _ = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(9.0))
+        assert status == 200
+        deadline = time.monotonic() + 30
+        while not (keys := store.keys("*")):
+            assert time.monotonic() < deadline, "the entry never reached Redis"
+            time.sleep(0.02)
+        (key,) = keys
+        value = store.get(key)
+        assert value is not None
+        (length,) = struct.unpack_from("<I", value, 8)
+        header = json.loads(value[12 : 12 + length])
+        header["parameters"] = {"sequence_id": _ALICE, "sequence_start": True}
+        forged = json.dumps(header, separators=(",", ":")).encode()
+        store.set(key, value[:8] + struct.pack("<I", len(forged)) + forged + value[12 + length :])
+        before = _hits(served, "pipeline")
+        status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(9.0))
+        hits = _hits(served, "pipeline") - before
+    finally:
+        store.close()
+        served.stop()
+        redis.stop()
+    assert status == 200, body
+    assert hits == 1
+    assert "parameters" not in json.loads(body), body[:300]
+    record(
+        "Security",
+        "A stored Redis entry's header given response parameters (another client's "
+        "sequence_id) by a writer with access to Redis",
+        "1 forged entry, 1 hit",
+        "the hit answered right with no parameters: entries carry outputs only",
     )

@@ -275,7 +275,7 @@ def test_a_client_that_never_reads_stops_the_streams_producers(served: Served) -
         # The socket buffers and the HTTP/2 window fill first (megabytes of small
         # responses); then the producer must stop: a full second with (almost) no CPU.
         cpu, idle_at = _cpu_seconds(served), None
-        while idle_at is None and time.monotonic() - paused < 40:
+        while idle_at is None and time.monotonic() - paused < 90:
             time.sleep(1.0)
             cpu, busy = _cpu_seconds(served), _cpu_seconds(served) - cpu
             if busy < 0.1:
@@ -289,7 +289,7 @@ def test_a_client_that_never_reads_stops_the_streams_producers(served: Served) -
         stream.close()
         proxy.close()
     assert values == list(range(1, 20001))
-    assert idle_at is not None, f"the producer never stopped (RSS +{grown_kib} KiB in 40 s)"
+    assert idle_at is not None, f"the producer never stopped (RSS {grown_kib:+} KiB in 90 s)"
     assert held_kib < 16 * 1024, f"RSS grew {held_kib} KiB while nobody read"
     record(
         "Load",
@@ -297,7 +297,7 @@ def test_a_client_that_never_reads_stops_the_streams_producers(served: Served) -
         "proxy that stops taking the server's bytes)",
         "until the producer stops, 2 s more, then 20,000 responses read",
         f"the producer stopped {idle_at:.0f} s after the client did (once the socket buffers "
-        f"and HTTP/2 window were full), RSS +{held_kib / 1024:.1f} MiB in all; then every "
+        f"and HTTP/2 window were full), RSS {held_kib / 1024:+.1f} MiB in all; then every "
         "response, in order",
     )
 
@@ -333,7 +333,7 @@ def test_a_stream_of_new_sequence_ids_holds_no_memory_for_idle_ones(served: Serv
         "One stream naming a new sequence id (a string) in every request, for a model that is "
         "not stateful",
         f"{count:,} ids on one stream",
-        f"RSS +{grown_kib / 1024:.1f} MiB across them (lanes freed once answered)",
+        f"RSS {grown_kib / 1024:+.1f} MiB across them (lanes freed once answered)",
     )
 
 
