@@ -159,7 +159,7 @@ class ModelRegistry:
     """`decoupled` answers, cleared whenever the set of loaded models changes."""
     generation: int = 0
     """Counts the changes to the set of loaded runners (a load, a reload, an unload)."""
-    _revisions: dict[tuple[str, int], str] = attrs.field(factory=dict)
+    _revisions: dict[Runner, str] = attrs.field(factory=dict)
     """`revision` of each runner, valid while the generation is `_revisions_at`."""
     _revisions_at: int = -1
 
@@ -193,13 +193,13 @@ class ModelRegistry:
         config, and for an ensemble each step's model as resolved now (recursively). A load,
         reload or unload changes it, so the cache never answers with another revision's
         result."""
-        key = (runner.config.name, runner.version)
         if self._revisions_at != self.generation:
             self._revisions.clear()
             self._revisions_at = self.generation
-        found = self._revisions.get(key)
+        # By runner, not by name: a request admitted before a reload still holds the old one.
+        found = self._revisions.get(runner)
         if found is None:
-            found = self._revisions[key] = self._compute_revision(runner, ())
+            found = self._revisions[runner] = self._compute_revision(runner, ())
         return found
 
     def _compute_revision(self, runner: Runner, path: tuple[str, ...]) -> str:
