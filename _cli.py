@@ -141,7 +141,7 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_MESSAGE_SIZE,
         metavar="BYTES",
         help="largest gRPC message accepted or sent (default: 256 MiB; Triton's is 2 GiB - 1: "
-        "a request costs about 10x its size in memory at its peak)",
+        "a request costs 6-7x its size in memory at its peak)",
     )
     models = serve.add_argument_group("models")
     models.add_argument(

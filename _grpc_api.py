@@ -61,9 +61,10 @@ T = TypeVar("T")
 
 DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 """The largest gRPC message accepted or sent by default: 256 MiB. Triton raises gRPC's 4 MiB
-limit to 2 GiB - 1, but a request costs the server about ten times its size in memory at its
-peak (the message as gRPC received it, as protobuf parsed it, its tensor, the answer's copies;
-measured 9.6x for 256 MiB), so one 2 GiB request could get the server killed for memory."""
+limit to 2 GiB - 1, but a request costs the server 6-7 times its size in memory at its peak
+(the message as gRPC received it, as protobuf parsed it, its tensor, the answer on its way
+out), and grpcio's copies hold the GIL (about 1.8 s per 256 MiB): one 2 GiB request could get
+the server killed for memory, and stalls every other client for seconds."""
 
 STREAM_WINDOW = 1024
 """Requests of one stream that may run at once; the stream reads no further until one ends."""
