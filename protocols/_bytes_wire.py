@@ -73,12 +73,6 @@ def _encode_block(items: list[bytes]) -> bytes:
     return out.tobytes()
 
 
-def encoded_size(array: np.ndarray[Any, Any]) -> int:
-    """The byte length of ``array`` in the wire format (without encoding it)."""
-    items = _elements(array)
-    return 4 * len(items) + sum(map(len, items))
-
-
 def decode_bytes(buffer: bytes | memoryview, count: int, tensor: str) -> np.ndarray[Any, Any]:
     """``count`` BYTES elements from ``buffer`` (a flat object array of ``bytes``).
 
