@@ -193,7 +193,9 @@ async def test_concurrent_streams_respect_max_inflight_requests(limit: int) -> N
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await trio.sleep(0.001)
+        # Long enough that, without a limit, the 16 streams' first requests overlap even on a
+        # loaded machine (a stall only makes more of them overlap).
+        await trio.sleep(0.02)
         in_flight -= 1
         return {"Y": X + 1}
 

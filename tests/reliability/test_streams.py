@@ -62,10 +62,10 @@ class _Stream:
         self.channel = grpc.insecure_channel(served.grpc)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.outbox: queue.Queue[Any] = queue.Queue()
-        self.call = self.stub.ModelStreamInfer(self._requests(), timeout=120)
+        self.call = self.stub.ModelStreamInfer(self._requests(), timeout=300)
 
     def _requests(self) -> Iterator[Any]:
-        while (item := self.outbox.get(timeout=120)) is not _STOP:
+        while (item := self.outbox.get(timeout=300)) is not _STOP:
             yield item
 
     def send(self, *messages: Any) -> None:
@@ -233,7 +233,12 @@ class _StallingProxy:
     def _accept(self) -> None:
         self.listener.settimeout(30)
         client, _ = self.listener.accept()
-        server = socket.create_connection(self.upstream, timeout=30)
+        # A small receive buffer (set before connecting, so the TCP window stays small): the
+        # server's side fills in seconds, not after megabytes, even on a loaded machine.
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
+        server.settimeout(30)
+        server.connect(self.upstream)
         for source, target, gate in ((client, server, None), (server, client, self.reading)):
             thread = threading.Thread(target=self._pump, args=(source, target, gate), daemon=True)
             self.threads.append(thread)
@@ -241,7 +246,7 @@ class _StallingProxy:
 
     def _pump(self, source: socket.socket, target: socket.socket, gate: Any) -> None:
         source.settimeout(0.1)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not self.closed.is_set() and time.monotonic() < deadline:
             if gate is not None and not gate.is_set():
                 gate.wait(0.1)
@@ -261,14 +266,38 @@ class _StallingProxy:
         self.listener.close()
 
 
-def test_a_client_that_never_reads_stops_the_streams_producers(served: Served) -> None:
+_WIDE_REPEAT = """# Decoupled: X[0] responses, the i-th a 4 KiB tensor whose first element is i.
+name: "wide_repeat"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1024 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+_WIDE_REPEAT_CODE = """import numpy as np
+
+JIT = False
+
+
+def execute(X):
+    for i in range(int(X[0])):
+        yield {"Y": np.full(1024, i, np.int32)}
+"""
+
+
+def test_a_client_that_never_reads_stops_the_streams_producers(tmp_path: Path) -> None:
     """A decoupled request for 2**31-1 responses on a stream whose client stops reading:
     the server's producer stops at a bounded buffer (memory and CPU flat) and goes on, in
-    order, when the client reads again."""
+    order, when the client reads again. The responses are 4 KiB each, so the socket buffers
+    and the HTTP/2 window (megabytes) fill in a few thousand responses, quickly even on a
+    loaded machine."""
+    (tmp_path / "wide_repeat" / "1").mkdir(parents=True)
+    (tmp_path / "wide_repeat" / "config.pbtxt").write_text(_WIDE_REPEAT)
+    (tmp_path / "wide_repeat" / "1" / "model.py").write_text(_WIDE_REPEAT_CODE)
+    served = start_server(repository=tmp_path)
     proxy = _StallingProxy(served.grpc)
     stream = _Stream(Served(served.process, grpc=proxy.address))
     try:
-        stream.send(_request("repeat", "X", 2**31 - 1))
+        stream.send(_request("wide_repeat", "X", 2**31 - 1))
         assert _output(stream.read(1)[0].infer_response) == 0
         proxy.reading.clear()
         rss_before, paused = _rss_kib(served), time.monotonic()
@@ -288,6 +317,7 @@ def test_a_client_that_never_reads_stops_the_streams_producers(served: Served) -
     finally:
         stream.close()
         proxy.close()
+        served.stop()
     assert values == list(range(1, 20001))
     assert idle_at is not None, f"the producer never stopped (RSS {grown_kib:+} KiB in 90 s)"
     assert held_kib < 16 * 1024, f"RSS grew {held_kib} KiB while nobody read"
