@@ -115,7 +115,7 @@ def image_worker(concurrency: list[int], requests: int, cache: str) -> None:
     import trio
 
     import orchestrion
-    from orchestrion._examples import load_example
+    from orchestrion.frontends._examples import load_example
 
     example = load_example("image_pipeline")
     rng = np.random.default_rng(0)
@@ -163,7 +163,7 @@ def image_direct_worker(requests: int) -> None:
     import jax
     import numpy as np
 
-    from orchestrion._examples import load_example
+    from orchestrion.frontends._examples import load_example
 
     example = load_example("image_pipeline")
 

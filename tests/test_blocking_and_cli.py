@@ -15,7 +15,7 @@ from served import start_server
 
 import orchestrion
 from builders import ensemble, model, step, tensor
-from orchestrion._cli import main as cli
+from orchestrion.frontends._cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_blocking_server_infers_and_owns_its_thread() -> None:
         assert [s.model_name for s in server.step_statistics("e")] == ["double"]
         server.unload_model("e")
         assert not server.is_model_ready("e")
-    assert threads() == before
+    assert threads() <= before  # none left behind (an earlier test's may have ended meanwhile)
     with pytest.raises(orchestrion.ServerClosedError):
         server.infer("e", {})
 
@@ -73,7 +73,7 @@ def test_blocking_server_reports_load_errors() -> None:
         orchestrion.Server(models=[broken]),
     ):
         pass
-    assert threads() == before
+    assert threads() <= before  # none left behind (an earlier test's may have ended meanwhile)
 
 
 def test_blocking_server_serves_several_threads() -> None:

@@ -19,9 +19,9 @@ from served import MODELS
 from tritonclient.utils import InferenceServerException
 
 from orchestrion import AsyncServer, open_server
-from orchestrion._control import ModelControl
-from orchestrion._grpc_api import open_grpc_api
-from orchestrion._http_api import HttpApi, open_http_api
+from orchestrion.frontends._control import ModelControl
+from orchestrion.frontends._grpc_service import open_grpc_api
+from orchestrion.frontends._http_api import HttpApi, open_http_api
 
 
 def _pending(server: AsyncServer, model: str) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import orchestrion
-from orchestrion._cli import main as cli
+from orchestrion.frontends._cli import main as cli
 
 IDENTITY = """
 def execute(X):

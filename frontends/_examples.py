@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .protocols import ConfigError
+from ..protocols import ConfigError
 
 _Inputs = Mapping[str, Any]
 
@@ -46,7 +46,11 @@ def find_example(name: str) -> Path:
     Raises:
         ConfigError: no such example (the places searched are listed).
     """
-    candidates = [Path(name), Path("examples") / name, Path(__file__).parent / "examples" / name]
+    candidates = [
+        Path(name),
+        Path("examples") / name,
+        Path(__file__).parent.parent / "examples" / name,
+    ]
     for candidate in candidates:
         if (candidate / "example.py").is_file():
             return candidate.resolve()

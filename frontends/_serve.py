@@ -17,12 +17,12 @@ from pathlib import Path
 import attrs
 import trio
 
+from .._server import open_server
+from ..protocols import ConfigError
 from ._control import ModelControl, repository_fingerprints
-from ._grpc_api import DEFAULT_MAX_MESSAGE_SIZE, open_grpc_api
+from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE, open_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, open_http_api
 from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
-from ._server import open_server
-from .protocols import ConfigError
 
 _log = logging.getLogger("orchestrion")
 
@@ -165,6 +165,6 @@ async def serve(
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__

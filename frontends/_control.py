@@ -17,8 +17,8 @@ from pathlib import Path
 import attrs
 import trio
 
-from ._server import AsyncServer
-from .protocols import (
+from .._server import AsyncServer
+from ..protocols import (
     ConfigError,
     InvalidRequestError,
     ModelControlError,

@@ -1,14 +1,10 @@
 """The KServe v2 gRPC front end: Triton's ``inference.GRPCInferenceService``.
 
 How this works: grpcio's asyncio server (its C core does HTTP/2) runs on an asyncio event loop
-in one worker thread that a trio task owns; the models run on trio. `TrioBridge` connects the
-two without blocking either loop: asyncio hands a call to trio with
-``TrioToken.run_sync_soon`` (thread-safe, never waits), the call runs as a task in a trio
-nursery the front end owns, and its result comes back with ``loop.call_soon_threadsafe``.
-Cancellation crosses too: an RPC that the client abandons cancels its trio task, and closing
-the front end cancels what is left. A stream (ModelStreamInfer) is one trio task that runs
-its requests concurrently, keeps each sequence's requests in order, and sends responses as
-they are ready.
+in one worker thread that a trio task owns (`_LoopThread`); each RPC crosses to trio through
+`orchestrion.frontends._grpc_bridge.TrioBridge`, and a stream (ModelStreamInfer) is one trio task
+of `orchestrion.frontends._grpc_streams`. Messages that protobuf cannot decode become that
+request's INVALID_ARGUMENT, not grpcio's UNKNOWN for the whole call.
 
 The message classes come from tritonclient's generated modules (never re-generated here).
 """
@@ -16,11 +12,9 @@ The message classes come from tritonclient's generated modules (never re-generat
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import inspect
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -30,23 +24,17 @@ import trio
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from ._control import ModelControl
-from ._offload import off_loop
-from ._server import AsyncServer
-from .protocols import (
+from .._server import AsyncServer
+from ..protocols import (
     ConfigError,
-    InferenceTimeoutError,
     InvalidRequestError,
     OrchestrionError,
-    ServerClosedError,
     os_error_in,
 )
-from .protocols._kserve import WireRequest, error_message, grpc_status, parse_version
-from .protocols._kserve_grpc import (
+from ..protocols._kserve import error_message, grpc_status, parse_version
+from ..protocols._kserve_grpc import (
     declared_size,
     decode_grpc_request,
-    encode_grpc_response,
-    final_response,
     model_config_response,
     model_metadata_message,
     model_statistics_message,
@@ -55,6 +43,10 @@ from .protocols._kserve_grpc import (
     serialized_grpc_response,
     server_metadata_message,
 )
+from ._control import ModelControl
+from ._grpc_bridge import TrioBridge, call_sync
+from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
+from ._offload import off_loop
 
 _log = logging.getLogger("orchestrion.grpc")
 T = TypeVar("T")
@@ -65,156 +57,6 @@ limit to 2 GiB - 1, but a request costs the server 6-7 times its size in memory 
 (the message as gRPC received it, as protobuf parsed it, its tensor, the answer on its way
 out), and grpcio's copies hold the GIL (about 1.8 s per 256 MiB): one 2 GiB request could get
 the server killed for memory, and stalls every other client for seconds."""
-
-STREAM_WINDOW = 1024
-"""Requests of one stream that may run at once; the stream reads no further until one ends."""
-
-
-@attrs.define(eq=False)
-class _Mailbox:
-    """Hands items to another thread's event loop, waking it once per batch of items rather
-    than once per item (each wake is a syscall and a thread switch)."""
-
-    wake: Callable[[Callable[[], None]], object]
-    """Schedules a callback on the other loop, thread-safely."""
-    handle: Callable[[Any], None]
-    """Runs on the other loop, for each item."""
-    _items: collections.deque[Any] = attrs.field(factory=collections.deque)
-    _scheduled: bool = False
-
-    def post(self, item: Any) -> None:
-        """Queue ``item`` (from any thread); the other loop handles it soon."""
-        self._items.append(item)
-        if not self._scheduled:
-            self._scheduled = True
-            try:
-                self.wake(self._drain)
-            except BaseException:
-                self._scheduled = False
-                raise
-
-    def _drain(self) -> None:
-        # Clear the flag before draining: an item posted after this line schedules a new
-        # drain, and one posted before it is drained here (the GIL orders the two).
-        self._scheduled = False
-        items = self._items
-        while items:
-            self.handle(items.popleft())
-
-
-@attrs.define(eq=False)
-class _Call:
-    """One asyncio-to-trio call in flight."""
-
-    fn: Callable[..., Awaitable[Any]]
-    args: tuple[Any, ...]
-    future: asyncio.Future[Any]
-    replies: _Mailbox
-    """The asyncio loop's mailbox, for the outcome."""
-    scope: trio.CancelScope | None = None
-    abandoned: bool = False
-
-    def deliver(self, result: object = None, error: BaseException | None = None) -> None:
-        """Hand the outcome to the asyncio side (from the trio thread)."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            self.replies.post((self.future, result, error))
-
-    def cancel(self) -> None:
-        """The asyncio side gave up (runs on the trio thread)."""
-        self.abandoned = True
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-def _settle(item: tuple[asyncio.Future[Any], object, BaseException | None]) -> None:
-    future, result, error = item
-    if future.done():  # cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-_CANCEL = object()
-"""Marks a cancellation in the bridge's mailbox to trio."""
-
-
-@attrs.define(eq=False)
-class TrioBridge:
-    """Runs trio async functions for code on an asyncio loop in another thread.
-
-    Calls and their outcomes cross in batches: when many calls are in flight, one wake of
-    the other loop carries all that are ready (`_Mailbox`).
-    """
-
-    token: trio.lowlevel.TrioToken
-    nursery: trio.Nursery
-    _to_trio: _Mailbox = attrs.field(init=False)
-    _to_asyncio: dict[asyncio.AbstractEventLoop, _Mailbox] = attrs.field(factory=dict, init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._to_trio = _Mailbox(self.token.run_sync_soon, self._receive)
-
-    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``await fn(*args)`` in trio and return its result (called on asyncio).
-
-        Cancelling the awaiting asyncio task cancels the trio task.
-        """
-        loop = asyncio.get_running_loop()
-        replies = self._to_asyncio.get(loop)
-        if replies is None:
-            replies = self._to_asyncio[loop] = _Mailbox(loop.call_soon_threadsafe, _settle)
-        call = _Call(fn, args, loop.create_future(), replies)
-        try:
-            self._to_trio.post(call)
-        except trio.RunFinishedError:
-            raise ServerClosedError("the server is shutting down") from None
-        try:
-            result: T = await call.future
-        except asyncio.CancelledError:
-            with contextlib.suppress(trio.RunFinishedError):
-                self._to_trio.post((_CANCEL, call))
-            raise
-        return result
-
-    def run_soon(self, fn: Callable[[], object]) -> None:
-        """Run ``fn()`` on the trio thread soon (called on asyncio; never waits). Nothing
-        happens once trio has finished."""
-        with contextlib.suppress(trio.RunFinishedError):
-            self._to_trio.post(fn)
-
-    def _receive(self, item: Any) -> None:
-        if isinstance(item, tuple):
-            item[1].cancel()
-            return
-        if not isinstance(item, _Call):
-            item()
-            return
-        try:
-            self.nursery.start_soon(self._run, item)
-        except RuntimeError:  # the nursery is closed: the server is stopping
-            item.deliver(error=ServerClosedError("the server is shutting down"))
-
-    async def _run(self, call: _Call) -> None:
-        delivered = False
-        try:
-            with trio.CancelScope() as call.scope:
-                if call.abandoned:
-                    call.scope.cancel()
-                result = await call.fn(*call.args)
-                call.deliver(result)
-                delivered = True
-        except Exception as exc:
-            call.deliver(error=exc)
-            delivered = True
-        finally:
-            if not delivered:
-                call.deliver(error=ServerClosedError("the server is shutting down"))
-
-
-async def _call_sync(fn: Callable[..., T], *args: Any) -> T:
-    return fn(*args)
 
 
 def _traceparent(context: Any) -> str | None:
@@ -232,7 +74,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     control: ModelControl
     bridge: TrioBridge
     version: str
-    _streams: _OpenStreams = attrs.field(factory=lambda: _OpenStreams(), init=False)
+    _streams: OpenStreams = attrs.field(factory=lambda: OpenStreams(), init=False)
 
     def stop_streams(self) -> None:
         """A graceful stop of every open stream (on the trio thread): each answers what it
@@ -253,7 +95,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         """Run ``fn`` (reading the server's state) on the trio thread, where that state
         lives, so it never races a load or unload; errors abort the RPC."""
         try:
-            return await self.bridge.call(_call_sync, fn, *args)
+            return await self.bridge.call(call_sync, fn, *args)
         except Exception as exc:
             await self._abort(context, exc)
             raise  # abort raises; this line is never reached
@@ -401,7 +243,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         """A bidirectional stream: decoupled models, sequences, or any model."""
         responses: asyncio.Queue[Any] = asyncio.Queue()  # holds at most STREAM_BUFFER + 1
         loop = asyncio.get_running_loop()
-        stream = _Stream(
+        stream = Stream(
             self.server,
             lambda item: loop.call_soon_threadsafe(responses.put_nowait, item),
             self._streams,
@@ -420,7 +262,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         try:
             while True:
                 item = await responses.get()
-                if item is _END:
+                if item is END:
                     break
                 yield item
                 # Sent (grpcio's write waits for HTTP/2 flow control): a credit back to the
@@ -430,7 +272,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
                 # Every request read so far is answered (those after the stop as refusals);
                 # whatever the client still sends is refused by the status.
                 reader.cancel()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, _SHUTTING_DOWN)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             await asyncio.wait([reader])
             reader.result()
             await session
@@ -439,194 +281,6 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             session.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.gather(reader, session, return_exceptions=True)
-
-
-_END = object()
-"""Marks the end of a stream's responses."""
-
-
-@attrs.define(eq=False)
-class _OpenStreams:
-    """The front end's open streams (trio side), for a graceful stop: one that opens after
-    the stop began is stopped at once."""
-
-    _streams: set[_Stream] = attrs.field(factory=set)
-    _stopping: bool = False
-
-    def add(self, stream: _Stream) -> None:
-        """A stream opened."""
-        self._streams.add(stream)
-        if self._stopping:
-            stream.stop()
-
-    def discard(self, stream: _Stream) -> None:
-        """A stream ended."""
-        self._streams.discard(stream)
-
-    def stop(self) -> None:
-        """Stop every open stream, and those that open later."""
-        self._stopping = True
-        for stream in list(self._streams):
-            stream.stop()
-
-
-STREAM_BUFFER = 64
-"""Responses of one stream made and not yet written to the client: a producer waits for a
-credit before each one, so a client that does not read stops the stream's models there."""
-
-_SHUTTING_DOWN = "the server is shutting down: this stream's later requests were not run"
-
-
-@attrs.define(eq=False)
-class _Stream:
-    """One ModelStreamInfer stream on the trio side.
-
-    Requests without a sequence id run concurrently (at most `STREAM_WINDOW`); those of one
-    sequence id run one after another in the order sent, in a *lane* that exists only while
-    it has requests (so a stream of many ids holds no memory for the idle ones, and a
-    sequence that ends and starts again keeps its order). Each response takes a credit
-    (`STREAM_BUFFER`) that comes back once it is written to the client.
-    """
-
-    server: AsyncServer
-    post: Callable[[Any], object]
-    """Hands a response (or `_END`) to the asyncio side, thread-safely."""
-    streams: _OpenStreams
-    """The front end's open streams, to `stop` on a graceful stop."""
-    credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
-    stopping: bool = False
-    _nursery: trio.Nursery | None = None
-    _window: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_WINDOW))
-    _lanes: dict[int | str, collections.deque[tuple[WireRequest, str | None]]] = attrs.field(
-        factory=dict
-    )
-    _input_closed: trio.Event = attrs.field(factory=trio.Event)
-    _started: trio.Event = attrs.field(factory=trio.Event)
-
-    async def run(self) -> None:
-        """Serve the stream's requests until the input ends and every answer is sent."""
-        self.streams.add(self)
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                self._started.set()
-                await self._input_closed.wait()
-        finally:
-            self.streams.discard(self)
-            self.post(_END)
-
-    async def close_input(self) -> None:
-        """The client half-closed the stream (or went away)."""
-        self._input_closed.set()
-
-    def stop(self) -> None:
-        """A graceful stop: requests already read are answered, later ones are refused, and
-        the stream ends once the answers are out."""
-        self.stopping = True
-        self._input_closed.set()
-
-    async def emit(self, message: Any) -> None:
-        """Send one response, once the client has read enough of the earlier ones."""
-        await self.credit.acquire()
-        self.post(message)
-
-    async def submit(self, message: Any, traceparent: str | None) -> None:
-        """Start one request of the stream (waits while the window is full)."""
-        await self._started.wait()
-        assert self._nursery is not None
-        if self.stopping:
-            refusal = ServerClosedError(_SHUTTING_DOWN)
-            await self.emit(_error_response(message.model_name, "", message.id, refusal))
-            return
-        await self._window.acquire()
-        try:
-            if isinstance(message, _Undecodable):
-                raise InvalidRequestError(message.error)
-            wire = await off_loop(declared_size(message), decode_grpc_request, message)
-        except Exception as exc:  # one bad request fails alone; the stream goes on
-            self._window.release()
-            if not isinstance(exc, OrchestrionError):
-                _log.error("decoding a stream request failed unexpectedly", exc_info=exc)
-            await self.emit(
-                _error_response(message.model_name, message.model_version, message.id, exc)
-            )
-            return
-        if wire.sequence_id:
-            lane = self._lanes.get(wire.sequence_id)
-            if lane is None:
-                lane = self._lanes[wire.sequence_id] = collections.deque()
-                self._nursery.start_soon(self._lane, wire.sequence_id, lane)
-            lane.append((wire, traceparent))
-        else:
-            self._nursery.start_soon(self._answer, wire, traceparent)
-
-    async def _lane(
-        self, sequence_id: int | str, lane: collections.deque[tuple[WireRequest, str | None]]
-    ) -> None:
-        # A sequence's requests run one after another, in the order the client sent them;
-        # the lane goes as soon as it is empty (no await between the check and the removal).
-        try:
-            while lane:
-                await self._answer(*lane[0])
-                lane.popleft()
-        finally:
-            if self._lanes.get(sequence_id) is lane:
-                del self._lanes[sequence_id]
-
-    async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
-        try:
-            decoupled = self.server.is_decoupled(wire.model_name)
-            if not decoupled:  # one answer: `infer` carries the timeout to the models too
-                response = await self.server.infer(
-                    wire.model_name,
-                    wire.inputs,
-                    **wire.infer_arguments(),
-                    timeout=wire.timeout,
-                    traceparent=traceparent,
-                )
-                await self.emit(_stream_response(encode_grpc_response(response, final=True)))
-                return
-            responses = self.server.stream_infer(
-                wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
-            )
-            async with contextlib.aclosing(responses) as each:
-                with trio.fail_after(wire.timeout or math.inf):
-                    async for response in each:
-                        message = encode_grpc_response(response, final=False)
-                        await self.emit(_stream_response(message))
-            if wire.empty_final_response:
-                version = str(wire.model_version)
-                await self.emit(
-                    _stream_response(final_response(wire.model_name, version, wire.request_id))
-                )
-        except trio.TooSlowError:
-            error = InferenceTimeoutError(
-                f"request for model '{wire.model_name}' timed out after {wire.timeout} s"
-            )
-            await self.emit(
-                _error_response(wire.model_name, str(wire.model_version), wire.request_id, error)
-            )
-        except Exception as exc:
-            if not isinstance(exc, OrchestrionError):
-                _log.error("stream request failed unexpectedly", exc_info=exc)
-            await self.emit(
-                _error_response(wire.model_name, str(wire.model_version), wire.request_id, exc)
-            )
-        finally:
-            self._window.release()
-
-
-def _stream_response(message: Any) -> Any:
-    return service_pb2.ModelStreamInferResponse(infer_response=message)
-
-
-def _error_response(model: str, version: str, request_id: str, error: BaseException) -> Any:
-    return service_pb2.ModelStreamInferResponse(
-        error_message=error_message(error),
-        infer_response=service_pb2.ModelInferResponse(
-            model_name=model, model_version=version if version != "-1" else "", id=request_id
-        ),
-    )
 
 
 @contextlib.asynccontextmanager
@@ -682,31 +336,19 @@ async def open_grpc_api(
         raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
 
 
-@attrs.frozen
-class _Undecodable:
-    """A message protobuf cannot decode (a string field that is not UTF-8, say): it becomes
-    this request's INVALID_ARGUMENT, instead of grpcio's UNKNOWN for the whole call (which
-    would end a stream with every request on it)."""
-
-    error: str
-    model_name: str = ""
-    model_version: str = ""
-    id: str = ""
-
-
 def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
         except DecodeError as exc:
-            return _Undecodable(f"the request message cannot be decoded: {exc}")
+            return Undecodable(f"the request message cannot be decoded: {exc}")
 
     return deserialize
 
 
 def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     async def unary(request: Any, context: Any) -> Any:
-        if isinstance(request, _Undecodable):
+        if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         result = behaviour(request, context)
         return await result if inspect.isawaitable(result) else result

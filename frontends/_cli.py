@@ -20,13 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._examples import Example, load_example
-from ._grpc_api import DEFAULT_MAX_MESSAGE_SIZE
-from ._serve import Endpoints, ServeOptions, serve
-from ._server import AsyncServer, open_server
-from .actors import load_model_code, scan_repository
-from .actors._repository import CONFIG_FILE
-from .protocols import (
+from .._server import AsyncServer, open_server
+from ..actors import load_model_code, scan_repository
+from ..actors._repository import CONFIG_FILE
+from ..protocols import (
     CacheUnavailableError,
     ConfigError,
     ModelLoadError,
@@ -34,6 +31,9 @@ from .protocols import (
     parse_cache_config,
     validate_repository,
 )
+from ._examples import Example, load_example
+from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE
+from ._serve import Endpoints, ServeOptions, serve
 
 DEFAULT_CACHE = "local,size=268435456"
 """The embedded default of `orchestrion run`: a 256 MiB local cache."""

@@ -1,7 +1,7 @@
 """The KServe v2 HTTP/REST front end (Triton's routes and binary tensor extension).
 
 How this works: `HttpApi.handle` answers one complete request (method, path, headers, body);
-`orchestrion._http_server` (trio and h11) owns the sockets, reads bodies within their size
+`orchestrion.frontends._http_server` (trio and h11) owns the sockets, reads bodies within their size
 limit, and cancels the work of a client that disconnects. An infer request goes straight from
 its connection's task into ``AsyncServer.infer``, with no thread or queue in between. The
 bodies are encoded and decoded by `orchestrion.protocols._kserve` (pure code); this module
@@ -22,20 +22,9 @@ from typing import Any
 import attrs
 import trio
 
-from ._control import ModelControl
-from ._http_server import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_HEADER_TIMEOUT,
-    Answer,
-    Headers,
-    HttpRequest,
-    HttpServer,
-    default_max_connections,
-)
-from ._offload import off_loop
-from ._server import AsyncServer
-from .protocols import ConfigError, InferResponse, InvalidRequestError, OrchestrionError
-from .protocols._kserve import (
+from .._server import AsyncServer
+from ..protocols import ConfigError, InferResponse, InvalidRequestError, OrchestrionError
+from ..protocols._kserve import (
     HEADER_LENGTH,
     WireRequest,
     decode_http_request,
@@ -50,6 +39,17 @@ from .protocols._kserve import (
     repository_index,
     server_metadata,
 )
+from ._control import ModelControl
+from ._http_server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    Answer,
+    Headers,
+    HttpRequest,
+    HttpServer,
+    default_max_connections,
+)
+from ._offload import off_loop
 
 _log = logging.getLogger("orchestrion.http")
 

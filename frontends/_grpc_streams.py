@@ -1,0 +1,242 @@
+"""gRPC's ModelStreamInfer on the trio side: one stream's requests, lanes and credits.
+
+How this works: a stream is one trio task (`Stream`) that runs its requests concurrently (at
+most `STREAM_WINDOW`), keeps each sequence's requests in order in a lane that exists only while
+the sequence has requests waiting, and hands each response to the asyncio side as it is ready,
+after taking a credit (`STREAM_BUFFER`): a client that stops reading stops the stream's models.
+`OpenStreams` tracks the open ones for a graceful stop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+from tritonclient.grpc import service_pb2
+
+from .._server import AsyncServer
+from ..protocols import (
+    InferenceTimeoutError,
+    InvalidRequestError,
+    OrchestrionError,
+    ServerClosedError,
+)
+from ..protocols._kserve import WireRequest, error_message
+from ..protocols._kserve_grpc import (
+    declared_size,
+    decode_grpc_request,
+    encode_grpc_response,
+    final_response,
+)
+from ._offload import off_loop
+
+_log = logging.getLogger("orchestrion.grpc")
+
+STREAM_WINDOW = 1024
+"""Requests of one stream that may run at once; the stream reads no further until one ends."""
+
+
+@attrs.frozen
+class Undecodable:
+    """A message protobuf cannot decode (a string field that is not UTF-8, say): it becomes
+    this request's INVALID_ARGUMENT, instead of grpcio's UNKNOWN for the whole call (which
+    would end a stream with every request on it)."""
+
+    error: str
+    model_name: str = ""
+    model_version: str = ""
+    id: str = ""
+
+
+END = object()
+"""Marks the end of a stream's responses."""
+
+
+@attrs.define(eq=False)
+class OpenStreams:
+    """The front end's open streams (trio side), for a graceful stop: one that opens after
+    the stop began is stopped at once."""
+
+    _streams: set[Stream] = attrs.field(factory=set)
+    _stopping: bool = False
+
+    def add(self, stream: Stream) -> None:
+        """A stream opened."""
+        self._streams.add(stream)
+        if self._stopping:
+            stream.stop()
+
+    def discard(self, stream: Stream) -> None:
+        """A stream ended."""
+        self._streams.discard(stream)
+
+    def stop(self) -> None:
+        """Stop every open stream, and those that open later."""
+        self._stopping = True
+        for stream in list(self._streams):
+            stream.stop()
+
+
+STREAM_BUFFER = 64
+"""Responses of one stream made and not yet written to the client: a producer waits for a
+credit before each one, so a client that does not read stops the stream's models there."""
+
+SHUTTING_DOWN = "the server is shutting down: this stream's later requests were not run"
+
+
+@attrs.define(eq=False)
+class Stream:
+    """One ModelStreamInfer stream on the trio side.
+
+    Requests without a sequence id run concurrently (at most `STREAM_WINDOW`); those of one
+    sequence id run one after another in the order sent, in a *lane* that exists only while
+    it has requests (so a stream of many ids holds no memory for the idle ones, and a
+    sequence that ends and starts again keeps its order). Each response takes a credit
+    (`STREAM_BUFFER`) that comes back once it is written to the client.
+    """
+
+    server: AsyncServer
+    post: Callable[[Any], object]
+    """Hands a response (or `END`) to the asyncio side, thread-safely."""
+    streams: OpenStreams
+    """The front end's open streams, to `stop` on a graceful stop."""
+    credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
+    stopping: bool = False
+    _nursery: trio.Nursery | None = None
+    _window: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_WINDOW))
+    _lanes: dict[int | str, collections.deque[tuple[WireRequest, str | None]]] = attrs.field(
+        factory=dict
+    )
+    _input_closed: trio.Event = attrs.field(factory=trio.Event)
+    _started: trio.Event = attrs.field(factory=trio.Event)
+
+    async def run(self) -> None:
+        """Serve the stream's requests until the input ends and every answer is sent."""
+        self.streams.add(self)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._started.set()
+                await self._input_closed.wait()
+        finally:
+            self.streams.discard(self)
+            self.post(END)
+
+    async def close_input(self) -> None:
+        """The client half-closed the stream (or went away)."""
+        self._input_closed.set()
+
+    def stop(self) -> None:
+        """A graceful stop: requests already read are answered, later ones are refused, and
+        the stream ends once the answers are out."""
+        self.stopping = True
+        self._input_closed.set()
+
+    async def emit(self, message: Any) -> None:
+        """Send one response, once the client has read enough of the earlier ones."""
+        await self.credit.acquire()
+        self.post(message)
+
+    async def submit(self, message: Any, traceparent: str | None) -> None:
+        """Start one request of the stream (waits while the window is full)."""
+        await self._started.wait()
+        assert self._nursery is not None
+        if self.stopping:
+            refusal = ServerClosedError(SHUTTING_DOWN)
+            await self.emit(_error_response(message.model_name, "", message.id, refusal))
+            return
+        await self._window.acquire()
+        try:
+            if isinstance(message, Undecodable):
+                raise InvalidRequestError(message.error)
+            wire = await off_loop(declared_size(message), decode_grpc_request, message)
+        except Exception as exc:  # one bad request fails alone; the stream goes on
+            self._window.release()
+            if not isinstance(exc, OrchestrionError):
+                _log.error("decoding a stream request failed unexpectedly", exc_info=exc)
+            await self.emit(
+                _error_response(message.model_name, message.model_version, message.id, exc)
+            )
+            return
+        if wire.sequence_id:
+            lane = self._lanes.get(wire.sequence_id)
+            if lane is None:
+                lane = self._lanes[wire.sequence_id] = collections.deque()
+                self._nursery.start_soon(self._lane, wire.sequence_id, lane)
+            lane.append((wire, traceparent))
+        else:
+            self._nursery.start_soon(self._answer, wire, traceparent)
+
+    async def _lane(
+        self, sequence_id: int | str, lane: collections.deque[tuple[WireRequest, str | None]]
+    ) -> None:
+        # A sequence's requests run one after another, in the order the client sent them;
+        # the lane goes as soon as it is empty (no await between the check and the removal).
+        try:
+            while lane:
+                await self._answer(*lane[0])
+                lane.popleft()
+        finally:
+            if self._lanes.get(sequence_id) is lane:
+                del self._lanes[sequence_id]
+
+    async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
+        try:
+            decoupled = self.server.is_decoupled(wire.model_name)
+            if not decoupled:  # one answer: `infer` carries the timeout to the models too
+                response = await self.server.infer(
+                    wire.model_name,
+                    wire.inputs,
+                    **wire.infer_arguments(),
+                    timeout=wire.timeout,
+                    traceparent=traceparent,
+                )
+                await self.emit(_stream_response(encode_grpc_response(response, final=True)))
+                return
+            responses = self.server.stream_infer(
+                wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
+            )
+            async with contextlib.aclosing(responses) as each:
+                with trio.fail_after(wire.timeout or math.inf):
+                    async for response in each:
+                        message = encode_grpc_response(response, final=False)
+                        await self.emit(_stream_response(message))
+            if wire.empty_final_response:
+                version = str(wire.model_version)
+                await self.emit(
+                    _stream_response(final_response(wire.model_name, version, wire.request_id))
+                )
+        except trio.TooSlowError:
+            error = InferenceTimeoutError(
+                f"request for model '{wire.model_name}' timed out after {wire.timeout} s"
+            )
+            await self.emit(
+                _error_response(wire.model_name, str(wire.model_version), wire.request_id, error)
+            )
+        except Exception as exc:
+            if not isinstance(exc, OrchestrionError):
+                _log.error("stream request failed unexpectedly", exc_info=exc)
+            await self.emit(
+                _error_response(wire.model_name, str(wire.model_version), wire.request_id, exc)
+            )
+        finally:
+            self._window.release()
+
+
+def _stream_response(message: Any) -> Any:
+    return service_pb2.ModelStreamInferResponse(infer_response=message)
+
+
+def _error_response(model: str, version: str, request_id: str, error: BaseException) -> Any:
+    return service_pb2.ModelStreamInferResponse(
+        error_message=error_message(error),
+        infer_response=service_pb2.ModelInferResponse(
+            model_name=model, model_version=version if version != "-1" else "", id=request_id
+        ),
+    )
