@@ -1,310 +1,277 @@
-"""Dynamic batching: the queue of a model with ``dynamic_batching``, and how batches form.
+"""The dynamic batcher: the actor that turns a batching model's queue into executions.
 
-How this works: `ModelRunner.infer` still puts one work item per request on the model's
-channel; with dynamic batching a *batcher* actor reads that channel into a `BatchQueue` (a
-priority heap) and hands whole batches to the instance actors. A batch holds requests whose
-inputs agree on everything but the batch dimension, in priority order (then arrival order),
-up to ``max_batch_size`` rows, preferring the largest ``preferred_batch_size`` that the
-queue can fill. The batcher waits at most ``max_queue_delay_microseconds`` for a batch to
-fill; while every instance is busy, requests simply pile up and the next batch takes them
-all. A jitted model's batch is padded to one of a few sizes (powers of two, the preferred
-sizes and ``max_batch_size``), all compiled before the model is ready, so load never
-triggers a compilation.
+How this works: with ``dynamic_batching``, the model's channel is read by one batcher actor
+(`Batcher.serve`) instead of the instances. It pushes what arrives into the model's
+`BatchQueue` (``_batch_queue.py``), and each time an instance is free it forms a batch: it
+waits at most ``max_queue_delay_microseconds`` (counted from the oldest request's arrival)
+for the batch to fill, takes it out of the queue (priorities first, expired requests
+answered), and hands it to the next free instance (`serve_instance`), which runs it as one
+execution of the joined inputs, padded to a compiled size, and gives each request its rows.
+A batch forms only when an instance is free for it, so the queue (and its priorities)
+decides what runs next. With one inline instance that is free, the batcher runs the batch
+itself, saving a scheduling pass. ``preserve_ordering`` answers batches in the order they
+formed.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
 import trio
 
-from ..protocols import (
-    InferRequest,
-    ModelConfig,
-    QueueFullError,
-    QueuePolicy,
-    QueueTimeoutError,
-    Tensors,
-)
+from ..protocols import ServerClosedError
+from ._batch_queue import BatchQueue, join_inputs, rows_of, split_outputs
+from ._instances import Instance, Work
+
+if TYPE_CHECKING:
+    from ._runner import ModelRunner
 
 
-def padded_sizes(config: ModelConfig) -> tuple[int, ...]:
-    """The batch sizes a jitted batching model is compiled for (ascending)."""
-    top = config.max_batch_size
-    sizes = {top}
-    size = 1
-    while size < top:
-        sizes.add(size)
-        size *= 2
-    if config.dynamic_batching is not None:
-        sizes.update(s for s in config.dynamic_batching.preferred_batch_size if s <= top)
-    return tuple(sorted(sizes))
+@attrs.define(eq=False, slots=True)
+class Batch:
+    """Requests that run as one execution, and the batch's place in arrival order."""
 
-
-def rows_of(request: InferRequest) -> int:
-    """The batch size of a request (the leading dimension of its inputs)."""
-    for array in request.inputs.values():
-        return int(array.shape[0]) if array.ndim else 1
-    return 1
-
-
-def shape_key(request: InferRequest) -> tuple[Any, ...]:
-    """What must agree for two requests to share a batch: names, dtypes, per-item shapes."""
-    inputs = request.inputs
-    items = inputs.items() if len(inputs) < 2 else sorted(inputs.items())
-    return tuple((name, array.dtype, array.shape[1:]) for name, array in items)
+    sequence: int
+    works: list[Work]
 
 
 @attrs.define(eq=False)
-class _Entry:
-    work: Any  # the runner's _Work (kept opaque here)
-    level: int
-    order: int
-    """Arrival order (ties within a level; kept when an entry goes back to the queue)."""
-    rows: int
-    key: tuple[Any, ...]
-    arrived: float
-    """``trio.current_time()`` at arrival: ``max_queue_delay_microseconds`` counts from it."""
+class Batcher:
+    """One batching model's batcher and the instances' batch loops."""
 
+    runner: ModelRunner
+    queue: BatchQueue
+    sizes: tuple[int, ...]
+    """Batch sizes a batch is padded to (all compiled at load); empty: as it is."""
+    formed: int = 0
+    """Batches formed so far (their sequence numbers)."""
+    last_batch: int = 0
+    """Requests in the last batch formed (the fast path is for light load)."""
+    _released: int = 0
+    """preserve_ordering: the next batch whose requests may be answered."""
+    _held: dict[int, list[Work]] = attrs.field(factory=dict)
+    """preserve_ordering: answered batches waiting for an earlier one, by sequence number."""
 
-@attrs.define(eq=False)
-class BatchQueue:
-    """The requests a batching model has accepted and not yet started.
+    async def serve(
+        self,
+        receive: trio.MemoryReceiveChannel[Work],
+        instances: list[Instance],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the batcher and one batch loop per instance until the channel ends."""
+        async with trio.open_nursery() as nursery:
+            batch_send, batch_receive = trio.open_memory_channel[Batch](0)
+            idle = trio.Semaphore(len(instances))
+            async with batch_receive:
+                for instance in instances:
+                    await nursery.start(self.serve_instance, instance, batch_receive.clone(), idle)
+            await nursery.start(self._form_batches, receive, batch_send, idle)
+            task_status.started()
 
-    Every admitted work item is *counted* against its priority level (what
-    ``max_queue_size`` bounds) until an instance starts it, it expires, or its requester
-    gives up (`withdraw`): each path uncounts it exactly once.
-    """
+    async def _form_batches(
+        self,
+        receive: trio.MemoryReceiveChannel[Work],
+        send: trio.MemorySendChannel[Batch],
+        idle: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Gather queued requests into batches and hand each to the next free instance."""
+        queue = self.queue
+        ended = False
+        async with receive, send:
+            task_status.started()
+            try:
+                while not ended or len(queue):
+                    if not len(queue):
+                        try:
+                            queue.push(await receive.receive())
+                        except trio.EndOfChannel:
+                            break
+                    await idle.acquire()  # released by the instance when the batch is done
+                    ended = _drain_into(receive, queue) or ended  # priorities see all
+                    ended = await self._fill(receive, ended)
+                    expired: list[Work] = []
+                    before = len(queue)
+                    batch = queue.take(expired)
+                    self.runner.queued -= before - len(queue)  # batched, expired or abandoned
+                    for work in expired:
+                        work.done.set()
+                    if not batch:
+                        idle.release()
+                        continue
+                    await self._hand_over(batch, send, idle)
+            finally:
+                # Stopped from outside: answer what is still queued, in the channel too (no
+                # caller waits forever).
+                with contextlib.suppress(trio.ClosedResourceError):
+                    _drain_into(receive, queue)
+                for work in queue.drain():
+                    self.runner.queued -= 1
+                    work.error = ServerClosedError("the server is shutting down")
+                    work.done.set()
 
-    config: ModelConfig
-    _heap: list[tuple[int, int, _Entry]] = attrs.field(factory=list)
-    _count: itertools.count[int] = attrs.field(factory=itertools.count)
-    _per_level: dict[int, int] = attrs.field(factory=dict)
-    # Per-level settings, resolved once: these are consulted for every request.
-    _levels: int = attrs.field(init=False)
-    _default_level: int = attrs.field(init=False)
-    _limits: dict[int, int] = attrs.field(init=False, factory=dict)
-    _timeouts_ns: dict[int, int] = attrs.field(init=False, factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        batching = self.config.dynamic_batching
+    async def _fill(self, receive: trio.MemoryReceiveChannel[Work], ended: bool) -> bool:
+        """Wait for the batch to fill, up to the queue delay counted from the oldest
+        request's arrival; True once the channel has ended."""
+        queue = self.queue
+        batching = self.runner.config.dynamic_batching
         assert batching is not None
-        self._levels = batching.priority_levels
-        self._default_level = batching.default_priority_level if self._levels else 1
-        for level in range(1, max(self._levels, 1) + 1):
-            policy = self.policy(level)
-            if policy is None:
+        delay = batching.max_queue_delay_microseconds / 1e6
+        oldest = queue.oldest_arrival()
+        deadline = (oldest if oldest is not None else trio.current_time()) + delay
+        while not ended and not queue.full():
+            try:
+                queue.push(receive.receive_nowait())
                 continue
-            if policy.max_queue_size > 0:
-                self._limits[level] = policy.max_queue_size
-            if policy.default_timeout_microseconds > 0 and policy.timeout_action == "REJECT":
-                self._timeouts_ns[level] = policy.default_timeout_microseconds * 1000
+            except trio.WouldBlock:
+                pass
+            except trio.EndOfChannel:
+                return True
+            if trio.current_time() >= deadline:
+                break
+            with trio.move_on_at(deadline):
+                try:
+                    queue.push(await receive.receive())
+                except trio.EndOfChannel:
+                    ended = True
+                continue
+            break
+        return ended
 
-    @property
-    def max_rows(self) -> int:
-        """The most rows one batch may hold."""
-        return self.config.max_batch_size
+    async def _hand_over(
+        self, batch: list[Work], send: trio.MemorySendChannel[Batch], idle: trio.Semaphore
+    ) -> None:
+        """Run ``batch`` here (one free inline instance) or send it to a free instance."""
+        queue = self.queue
+        self.formed += 1
+        self.last_batch = len(batch)
+        formed = Batch(self.formed - 1, batch)
+        if self._runs_here():
+            # One inline instance, and it is free: run the batch here rather than hand it
+            # over, which would cost one more scheduling pass (about 10 µs per request;
+            # bench/vs_triton/inprocess.py).
+            queue.started(batch)
+            try:
+                await self.run(self.runner.instances[0], formed)
+            finally:
+                idle.release()
+            return
+        # Waits for a free instance; arrivals meanwhile queue for the next.
+        try:
+            await send.send(formed)
+        except BaseException:
+            # Not started: back in the queue, answered with the rest by the caller.
+            queue.push_back(batch)
+            self.runner.queued += len(batch)
+            raise
+        queue.started(batch)
 
-    def level(self, request: InferRequest) -> int:
-        """The request's priority level (1 is the highest; 0 asks for the default)."""
-        if not self._levels:
-            return 1
-        if 1 <= request.priority <= self._levels:
-            return request.priority
-        return self._default_level
+    def _runs_here(self) -> bool:
+        """Whether the batcher runs its batch itself: a single instance that runs inline
+        (short synchronous work) and is free. Nothing else could run the batch sooner."""
+        instances = self.runner.instances
+        if self.runner.capabilities.is_async or len(instances) != 1:
+            return False
+        return instances[0].inline and not instances[0].busy
 
-    def policy(self, level: int) -> QueuePolicy | None:
-        """The queue policy of a priority level."""
-        batching = self.config.dynamic_batching
-        assert batching is not None
-        return batching.priority_queue_policy.get(str(level), batching.default_queue_policy)
+    async def serve_instance(
+        self,
+        instance: Instance,
+        receive: trio.MemoryReceiveChannel[Batch],
+        idle: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """One instance's loop: run each batch handed to it."""
+        async with receive:
+            task_status.started()
+            try:
+                async for batch in receive:
+                    try:
+                        await self.run(instance, batch)
+                    finally:
+                        idle.release()
+            finally:
+                while True:
+                    try:
+                        batch = receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                        break
+                    for work in batch.works:
+                        work.error = ServerClosedError("the server is shutting down")
+                    self._answer(batch.sequence, batch.works)
 
-    def admit(self, work: Any) -> None:
-        """Count a work item in for its priority level, or refuse it when the level is full.
-
-        Raises:
-            QueueFullError: ``max_queue_size`` requests of that level are already waiting.
-        """
-        level = self.level(work.request)
-        waiting = self._per_level.get(level, 0)
-        limit = self._limits.get(level)
-        if limit is not None and waiting >= limit:
-            raise QueueFullError(
-                f"Exceeds maximum queue size: model '{self.config.name}' has "
-                f"{limit} requests waiting (max_queue_size)"
-            )
-        self._per_level[level] = waiting + 1
-        work.level = level
-        work.counted = True
-
-    def withdraw(self, work: Any) -> None:
-        """Uncount a work item that will not start (refused, abandoned, expired, drained)."""
-        if work.counted:
-            work.counted = False
-            self._per_level[work.level] -= 1
-
-    def started(self, works: Iterable[Any]) -> None:
-        """An instance has taken these requests: they no longer wait."""
-        for work in works:
-            self.withdraw(work)
-
-    def push(self, work: Any) -> None:
-        """Queue an admitted work item (its ``request``), in priority then arrival order."""
-        request: InferRequest = work.request
-        entry = _Entry(
-            work=work,
-            level=work.level,
-            order=next(self._count),
-            rows=rows_of(request),
-            key=shape_key(request),
-            arrived=trio.current_time(),
+    async def run(self, instance: Instance, batch: Batch) -> None:
+        """Run a batch as one execution and give each request its rows of the outputs."""
+        queue = self.queue
+        works = []
+        for work in batch.works:
+            if work.abandoned:
+                continue
+            if queue.overdue(work):  # it waited for this instance past its queue policy
+                queue.expire(work, self.runner.model.name)
+                work.done.set()
+                continue
+            works.append(work)
+        if not works:
+            self._answer(batch.sequence, [])
+            return
+        rows = [rows_of(w.request) for w in works]
+        total = sum(rows)
+        padded = next((size for size in self.sizes if size >= total), total)
+        first = works[0].request
+        joined = first.derive(
+            model_name=first.model_name,
+            model_version=first.model_version,
+            inputs=join_inputs([w.request for w in works], padded),
+            requested_outputs=None,
         )
-        self._push(entry)
+        combined = Work(request=joined, enqueued_ns=min(w.enqueued_ns for w in works))
+        try:
+            await self.runner.run_work(instance, combined, inferences=total, members=works)
+        finally:
+            self._deliver(works, rows, combined)
+            self._answer(batch.sequence, works)
 
-    def _push(self, entry: _Entry) -> None:
-        heapq.heappush(self._heap, (entry.level, entry.order, entry))
+    def _answer(self, sequence: int, works: list[Work]) -> None:
+        """Wake the batch's requesters; with preserve_ordering, only once every earlier
+        batch has been answered (a later batch that finished first waits)."""
+        batching = self.runner.config.dynamic_batching
+        if batching is None or not batching.preserve_ordering:
+            for work in works:
+                work.done.set()
+            return
+        self._held[sequence] = works
+        while self._released in self._held:
+            for work in self._held.pop(self._released):
+                work.done.set()
+            self._released += 1
 
-    def push_back(self, works: Sequence[Any]) -> None:
-        """Return taken (still counted) work items to the queue, ahead of later arrivals."""
-        for work in works:
-            self.push(work)
+    def _deliver(self, works: list[Work], rows: list[int], combined: Work) -> None:
+        parts: list[dict[str, Any]] | None = None
+        error = combined.error
+        if error is None and combined.outputs is not None:
+            try:
+                parts = split_outputs(combined.outputs, rows)
+            except ValueError as exc:
+                error = self.runner.pool.bad_batch(exc)
+        for index, work in enumerate(works):
+            if parts is not None:
+                work.outputs = parts[index]
+            else:
+                work.error = error or ServerClosedError("the server is shutting down")
 
-    def __len__(self) -> int:
-        return len(self._heap)
 
-    def oldest_arrival(self) -> float | None:
-        """When the longest-waiting queued request arrived (None: the queue is empty)."""
-        return min((e.arrived for _, _, e in self._heap), default=None)
-
-    def full(self) -> bool:
-        """Whether the head's batch cannot grow (no point in waiting for more)."""
-        if not self._heap:
+def _drain_into(receive: trio.MemoryReceiveChannel[Work], queue: BatchQueue) -> bool:
+    """Move every request waiting in the channel into the queue; True if it ended."""
+    while True:
+        try:
+            queue.push(receive.receive_nowait())
+        except trio.WouldBlock:
             return False
-        head = self._heap[0][2]
-        rows = sum(e.rows for _, _, e in self._heap if e.key == head.key)
-        batching = self.config.dynamic_batching
-        preferred = batching.preferred_batch_size if batching is not None else ()
-        return rows >= self.max_rows or (bool(preferred) and rows in preferred)
-
-    def take(self, expired: list[Any]) -> list[Any]:
-        """The next batch: work items that share the head's shapes, up to ``max_rows``.
-
-        Abandoned work is dropped; work past its queue policy's timeout (``REJECT``) is
-        appended to ``expired`` with its error set. The batch's requests still count as
-        waiting until `started`.
-        """
-        batch: list[_Entry] = []
-        rows = 0
-        keep: list[_Entry] = []
-        key = None
-        while self._heap:
-            entry = heapq.heappop(self._heap)[2]
-            if entry.work.abandoned:
-                self.withdraw(entry.work)
-                continue
-            if self.overdue(entry.work):
-                self.withdraw(entry.work)
-                self.expire(entry.work, self.config.name)
-                expired.append(entry.work)
-                continue
-            if key is None:
-                key = entry.key
-            if entry.key != key or rows + entry.rows > self.max_rows:
-                keep.append(entry)
-                if rows >= self.max_rows:
-                    break
-                continue
-            batch.append(entry)
-            rows += entry.rows
-        for entry in keep:
-            self._push(entry)
-        return [e.work for e in self._trim(batch)]
-
-    def _trim(self, batch: list[_Entry]) -> list[_Entry]:
-        """Cut the batch, in order, to the longest prefix whose size is a preferred batch
-        size; with no such prefix the whole batch runs. Cut entries keep their place."""
-        batching = self.config.dynamic_batching
-        preferred = set(batching.preferred_batch_size) if batching is not None else set()
-        if not preferred:
-            return batch
-        cut = len(batch)
-        rows = 0
-        best = None
-        for index, entry in enumerate(batch):
-            rows += entry.rows
-            if rows in preferred:
-                best = index + 1
-        if best is not None:
-            cut = best
-        for entry in batch[cut:]:
-            self._push(entry)
-        return batch[:cut]
-
-    def overdue(self, work: Any) -> bool:
-        """Whether ``work`` has waited past its level's queue-policy timeout (``REJECT``)."""
-        if not self._timeouts_ns:
-            return False
-        limit = self._timeouts_ns.get(work.level)
-        if limit is None:
-            return False
-        waited_ns: int = time.perf_counter_ns() - work.enqueued_ns
-        return waited_ns > limit
-
-    @staticmethod
-    def expire(work: Any, model_name: str) -> None:
-        """Fail ``work`` for waiting too long."""
-        work.error = QueueTimeoutError(
-            f"request for model '{model_name}' timed out in the queue "
-            "(dynamic_batching queue policy)"
-        )
-
-    def drain(self) -> Iterable[Any]:
-        """Every work item still queued (the server is stopping), uncounted."""
-        while self._heap:
-            work = heapq.heappop(self._heap)[2].work
-            self.withdraw(work)
-            yield work
-
-
-def join_inputs(requests: Sequence[InferRequest], padded: int) -> dict[str, np.ndarray[Any, Any]]:
-    """The batched inputs: each input concatenated along the batch dimension, then padded
-    with zero rows (for a jitted model, up to a compiled size)."""
-    joined: dict[str, np.ndarray[Any, Any]] = {}
-    for name in requests[0].inputs:
-        parts = [r.inputs[name] for r in requests]
-        array = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        missing = padded - array.shape[0]
-        if missing > 0:
-            filler = np.zeros((missing, *array.shape[1:]), dtype=array.dtype)
-            if array.dtype.kind == "O":
-                filler[...] = b""
-            array = np.concatenate([array, filler])
-        joined[name] = array
-    return joined
-
-
-def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]:
-    """Each request's rows of the batched outputs.
-
-    Raises:
-        ValueError: an output does not have one row per input row.
-    """
-    needed = sum(rows)
-    for name, array in outputs.items():
-        if array.ndim == 0 or array.shape[0] < needed:
-            raise ValueError(
-                f"output '{name}' has shape {list(array.shape)}: a batching model must return "
-                f"one row per input row ({needed} or more)"
-            )
-    parts: list[dict[str, Any]] = []
-    start = 0
-    for count in rows:
-        parts.append({name: array[start : start + count] for name, array in outputs.items()})
-        start += count
-    return parts
+        except trio.EndOfChannel:
+            return True

@@ -1,8 +1,11 @@
 """What a model is before it runs: its config and its code (the ``model.py`` contract).
 
 A `Model` comes either from a repository folder (``<model>/<version>/model.py``, see
-``_repository.py``) or straight from Python. `check_model` enforces the contract of SPEC §2
-at load time so that mistakes surface as a `ConfigError` naming the file, not as a confusing
+``_repository.py``) or straight from Python. `check_model` enforces the ``model.py`` contract
+(one ``execute`` parameter per config input, by name; ``params`` first when ``initialize``
+is defined; ``state`` for a stateful model; a generator exactly when the model is decoupled)
+and asks the model's backend what its code cannot do there (``orchestrion.backends``), at
+load time, so that mistakes surface as a `ConfigError` naming the file, not as a confusing
 failure on the first request.
 """
 
@@ -14,18 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-import jax
 
-from ..protocols import DataType, InstanceKind, ModelConfig, bytes_tensors
-
-EXECUTION_MODES = ("auto", "inline", "thread")
-
-_WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
-
-
-def _x64_enabled() -> bool:
-    """Whether JAX computes with 64-bit types (``JAX_ENABLE_X64``)."""
-    return bool(jax.config.read("jax_enable_x64"))  # type: ignore[no-untyped-call]
+from ..backends import model_problems
+from ..protocols import ModelConfig
+from ._instances import ExecutionMode
 
 
 @attrs.define(eq=False)
@@ -73,39 +68,14 @@ class Model:
         return self.config.name
 
 
-def takes_request(model: Model) -> bool:
-    """Whether ``execute`` asks for the request's metadata (a ``request`` parameter)."""
-    if model.execute is None:
-        return False
-    try:
-        return "request" in inspect.signature(model.execute).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _placement_errors(model: Model, where: str) -> list[str]:
-    errors = []
-    kinds = {g.kind for g in model.config.instance_group}
-    if InstanceKind.KIND_GPU in kinds:
-        try:
-            gpus = len(jax.devices("gpu"))
-        except RuntimeError:
-            gpus = 0
-        wanted = max((max(g.gpus, default=0) for g in model.config.instance_group), default=0)
-        if gpus == 0:
-            errors.append(
-                f"{where}: instance_group kind KIND_GPU, but JAX sees no GPU (install "
-                "orchestrion[cuda] on a GPU machine, or use KIND_CPU)"
-            )
-        elif wanted >= gpus:
-            errors.append(f"{where}: instance_group asks for GPU {wanted}, but JAX sees {gpus}")
-    mode = model.config.parameters.get("execution", "auto")
-    if mode not in EXECUTION_MODES:
-        errors.append(
-            f"{where}: parameter 'execution' must be one of {', '.join(EXECUTION_MODES)}, "
-            f"got '{mode}'"
-        )
-    return errors
+def _mode_problems(model: Model, in_config: str) -> list[str]:
+    mode = model.config.parameters.get("execution", ExecutionMode.AUTO)
+    if mode in tuple(ExecutionMode):
+        return []
+    return [
+        f"{in_config}: parameter 'execution' must be one of "
+        f"{', '.join(m.value for m in ExecutionMode)}, got '{mode}'"
+    ]
 
 
 def check_model(model: Model) -> list[str]:
@@ -121,7 +91,7 @@ def check_model(model: Model) -> list[str]:
         return []
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
-    errors = _placement_errors(model, in_config)
+    errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)
     generator = inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(
         model.execute
     )
@@ -135,11 +105,6 @@ def check_model(model: Model) -> list[str]:
             f"{where}: a decoupled model's execute is a generator: yield each response "
             "(zero or more), instead of returning one"
         )
-    if config.decoupled and generator and model.jit:
-        errors.append(
-            f"{where}: jax.jit cannot compile a generator; set JIT = False (and call jitted "
-            "functions inside execute)"
-        )
     if config.decoupled and config.sequence_batching is not None:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
     stateful = config.sequence_batching is not None
@@ -148,25 +113,6 @@ def check_model(model: Model) -> list[str]:
     if model.initial_state is not None and not stateful:
         errors.append(
             f"{where}: initial_state is for stateful models; the config has no sequence_batching"
-        )
-    if model.jit and inspect.iscoroutinefunction(model.execute):
-        errors.append(f"{where}: an async execute cannot be jitted; set JIT = False")
-    if model.jit and bytes_tensors(config):
-        errors.append(
-            f"{where}: BYTES tensors ({', '.join(bytes_tensors(config))}) cannot pass through "
-            "jax.jit; set JIT = False in the model (or jit=False)"
-        )
-    wide = [t.name for t in (*config.input, *config.output) if t.data_type in _WIDE]
-    if model.jit and takes_request(model):
-        errors.append(
-            f"{where}: only plain-Python models (JIT = False) can take the request's metadata "
-            "as a 'request' parameter"
-        )
-    if model.jit and wide and not _x64_enabled():
-        errors.append(
-            f"{where}: tensors {', '.join(wide)} are 64-bit, but JAX runs with 64-bit types "
-            "disabled and would silently compute in 32 bits; set JAX_ENABLE_X64=1, declare "
-            "32-bit types, or set JIT = False"
         )
     try:
         signature = inspect.signature(model.execute)

@@ -48,7 +48,9 @@ import trio
 
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
-from ._runner import THREAD_ABOVE_NS, ModelRunner
+from ._instances import THREAD_ABOVE_NS
+from ._runner import ModelRunner
+from ._watchdog import LoopHolder, loop_holder
 
 _log = logging.getLogger("orchestrion")
 
@@ -56,22 +58,21 @@ Signature = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
 def fusable(runner: object, max_batch_size: int) -> bool:
-    """Whether ``runner`` can be traced into an ensemble's fused call."""
+    """Whether ``runner`` can be a step of an ensemble's fused call."""
     if not isinstance(runner, ModelRunner):
         return False
-    model, config = runner.model, runner.model.config
+    capabilities = runner.capabilities
     return (
-        model.jit
-        and not runner._stateful
-        and not runner._is_async
-        and not config.decoupled
+        capabilities.traceable
+        and not capabilities.stateful
+        and not capabilities.is_async
+        and not capabilities.streaming
+        and not capabilities.takes_request
         and _batching_fusable(runner)
-        and not runner._takes_request
-        and runner._plain_arguments
-        and all(t.reshape is None for t in config.output)
+        and all(t.reshape is None for t in runner.config.input)
         and runner.observer is None
         and runner.tracing is None
-        and config.max_batch_size == max_batch_size
+        and runner.config.max_batch_size == max_batch_size
         and all(i.device == jax.devices()[0] for i in runner.instances)
     )
 
@@ -79,9 +80,9 @@ def fusable(runner: object, max_batch_size: int) -> bool:
 def _batching_fusable(runner: ModelRunner) -> bool:
     """No dynamic batching, or one that gathering requests into the fused call honours:
     no queue delay, no priorities, no queue policy (timeouts, a queue size)."""
-    batching = runner.model.config.dynamic_batching
-    if runner._batching is None or batching is None:
-        return runner._batching is None
+    batching = runner.config.dynamic_batching
+    if runner.batcher is None or batching is None:
+        return runner.batcher is None
     return (
         batching.max_queue_delay_microseconds == 0
         and batching.priority_levels == 0
@@ -152,6 +153,10 @@ class Fusion:
     _call: Callable[..., Any] | None = attrs.field(init=False, default=None)
     """Mode "xla": the steps traced into one jitted function."""
     _params: tuple[Any, ...] = attrs.field(init=False)
+    _traceables: tuple[Callable[..., Mapping[str, Any]], ...] = attrs.field(init=False)
+    """Mode "xla": each step's ``fn(params, **inputs)``, traced into `_call`."""
+    _holder: LoopHolder = attrs.field(init=False, factory=loop_holder)
+    """What the event loop's watchdog reads to name what holds the loop."""
     _ready: set[Signature] = attrs.field(init=False, factory=set)
     """Signatures checked and compiled."""
     _refused: set[Signature] = attrs.field(init=False, factory=set)
@@ -183,15 +188,21 @@ class Fusion:
     outputs were checked for them."""
 
     def __attrs_post_init__(self) -> None:
-        self.gathers = self.max_batch > 0 and all(r._batching is not None for r in self.runners)
+        self.gathers = self.max_batch > 0 and all(r.batcher is not None for r in self.runners)
         if self.gathers:
-            sizes = [set(r._sizes or (self.max_batch,)) for r in self.runners]
+            sizes = [set(r.backend.padded_sizes or (self.max_batch,)) for r in self.runners]
             self._pads = tuple(sorted(set.intersection(*sizes)))
-        self._params = tuple(
-            r.instances[0].params if r._with_params else None for r in self.runners
-        )
+        self._params = tuple(r.instances[0].loaded.params for r in self.runners)
+        self._traceables = tuple(r.backend.traceable() for r in self.runners)
         if self.mode == "xla":
             self._call = jax.jit(self._traced)
+
+    def holds_loop_as(self, where: str) -> str:
+        """How the watchdog names this ensemble while its one compiled call runs."""
+        return (
+            f"ensemble '{self.name}' running fused (one compiled call of its steps), at "
+            f"{where}; every request waits until it returns"
+        )
 
     def current(self, runners: Sequence[object]) -> bool:
         """Whether this fusion was built for exactly these runners (none reloaded)."""
@@ -205,15 +216,12 @@ class Fusion:
         tensor it takes has been produced."""
         board = dict(inputs)
         produced: list[Any] = []
-        for plan, runner, own in zip(self.order, self.runners, params, strict=True):
+        for plan, execute, own in zip(self.order, self._traceables, params, strict=True):
             if any(tensor not in board for _, tensor in plan.inputs):
                 produced.append(({}, {}))  # a producer left an input out: the step waits forever
                 continue
             args = {name: board[tensor] for name, tensor in plan.inputs}
-            execute = runner.model.execute
-            assert execute is not None
-            result = execute(own, **args) if runner._with_params else execute(**args)
-            result = dict(result)
+            result = dict(execute(own, **args))
             produced.append((args, result))
             for name, tensor in plan.outputs:
                 if name in result:
@@ -317,6 +325,8 @@ class Fusion:
     ) -> dict[str, np.ndarray[Any, Any]] | None:
         assert self._call is not None
         started = time.perf_counter_ns()
+        holder = self._holder
+        outer, holder.runs = holder.runs, self
         try:
             raw = self._call(self._params, inputs)
             outputs = {name: np.asarray(value) for name, value in raw.items()}
@@ -324,6 +334,8 @@ class Fusion:
             self._refused.add(signature)
             self._ready.discard(signature)
             return None
+        finally:
+            holder.runs = outer
         elapsed = time.perf_counter_ns() - started
         ran = self._ran[signature]
         share = elapsed // max(len(ran), 1)
@@ -346,34 +358,33 @@ class Fusion:
         # instances; later requests of the same shapes skip them.
         key = tuple((name, v.shape) for name, v in inputs.items())
         trusted = self._trusted.get(key)
+        holder = self._holder
+        outer = holder.runs
         board = dict(inputs)
         done = []
         for plan, runner in zip(self.order, self.runners, strict=True):
             if any(tensor not in board for _, tensor in plan.inputs):
                 continue  # a producer left this step's input out: it never runs
             args = {name: board[tensor] for name, tensor in plan.inputs}
-            instances = runner.instances
-            if len(instances) == 1:
-                instance = instances[0]
-                if not instance.inline or instance.busy:
-                    return None
-            else:
-                found = next((i for i in instances if i.inline and not i.busy), None)
-                if found is None:
-                    return None
-                instance = found
+            instance = next((i for i in runner.instances if i.inline and not i.busy), None)
+            if instance is None:
+                return None
             checking = trusted is None or instance not in trusted
-            if checking and runner.signature(args) not in instance.compiled:
+            if checking and not instance.compiled_for(runner.backend.signature(args)):
                 return None  # the scheduler compiles new shapes, in a worker thread
             started = time.perf_counter_ns()
+            holder.runs = runner.pool
             try:
-                raw = runner._call(instance, args)
-                outputs: Mapping[str, Any] = {k: np.asarray(v) for k, v in raw.items()}
+                outputs: Mapping[str, Any] = runner.backend.execute(instance.loaded, args)[0]
+                if not isinstance(outputs, Mapping):
+                    return None
                 if checking:
                     outputs = runner.checker.outputs(outputs)
             except Exception:  # the scheduler runs it again, and reports it
                 return None
-            if checking and runner._batching is not None:  # as its batcher: a row per row
+            finally:
+                holder.runs = outer
+            if checking and runner.batcher is not None:  # as its batcher: a row per row
                 batch = next(iter(args.values())).shape[0]
                 if any(v.ndim == 0 or v.shape[0] != batch for v in outputs.values()):
                     return None
@@ -388,7 +399,7 @@ class Fusion:
             self._trusted[key] = trusted | {instance for _, instance, _ in done}
         requests = len(rows)
         for runner, instance, elapsed in done:
-            runner._learn(instance, elapsed)
+            instance.learn(elapsed)
             stats = runner.stats
             for count in rows:
                 stats.request_finished(None, elapsed, count)
@@ -401,12 +412,7 @@ class Fusion:
 
     def idle(self) -> bool:
         """Whether every composing model has an idle inline instance and nothing queued."""
-        for runner in self.runners:
-            if runner._queued or (runner._batching is not None and len(runner._batching)):
-                return False
-            if not any(i.inline and not i.busy for i in runner.instances):
-                return False
-        return True
+        return all(runner.idle() for runner in self.runners)
 
     async def gather(
         self,

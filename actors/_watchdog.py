@@ -3,10 +3,11 @@
 Everything a server does runs on one trio event loop; synchronous code on it (a model running
 inline that hangs on some input, blocking calls in an async model) stalls every request, and
 no timeout can fire until it returns. Nothing can interrupt it, but it must not go unseen: a
-trio task stamps a heartbeat every ``TICK`` seconds, and a thread of the watchdog's own
-checks it. When the heartbeat is older than the threshold, the thread reads the loop
-thread's Python stack and logs what holds the loop (the model and the line it is at), then
-logs again when the loop runs again, with the time it was held.
+thread of the watchdog's own pings the loop through trio's entry queue every ``TICK`` seconds.
+When a ping has waited longer than the threshold, the thread reads the loop thread's Python
+stack (for the line it is at) and the loop's `LoopHolder` (which the runner and fusion set
+while a model or a fused ensemble runs inline), and logs what holds the loop; then it logs
+again when the loop runs again, with the time it was held.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from types import FrameType
+from typing import Protocol
 
+import attrs
 import trio
-
-from ._fusion import Fusion
-from ._runner import ModelRunner
 
 _log = logging.getLogger("orchestrion")
 
@@ -31,48 +31,54 @@ STALL_AFTER = 1.0
 TICK = 0.1
 """Seconds between heartbeats, and between the watchdog's checks."""
 
-_INLINE_CODE = ModelRunner._execute_sync.__code__
-_FUSED_CODE = Fusion._run_steps.__code__
-_WHOLE_GRAPH_CODE = Fusion._run_graph.__code__
-_HINT = (
+THREAD_HINT = (
     'A model that can run this long belongs in a worker thread: parameters { key: "execution" '
     'value: { string_value: "thread" } }'
 )
 
 
-def describe_holder(frame: FrameType | None) -> str:
-    """What the loop thread is running, from its innermost ``frame``: the model running
-    inline (if any) and the line of code it is at, with what to do about it."""
+class HoldsLoop(Protocol):
+    """What can run inline on the event loop: a model's instances, a fused ensemble."""
+
+    def holds_loop_as(self, where: str) -> str:
+        """What holds the loop, at ``where`` (a file, line and function), and what to do."""
+        ...
+
+
+@attrs.define(eq=False)
+class LoopHolder:
+    """What runs inline on one event loop now, set around each inline execution (a plain
+    attribute: the watchdog's thread reads it while the loop is held)."""
+
+    runs: HoldsLoop | None = None
+
+
+_holders: dict[int, LoopHolder] = {}
+
+
+def loop_holder() -> LoopHolder:
+    """The `LoopHolder` of the calling thread's event loop."""
+    return _holders.setdefault(threading.get_ident(), LoopHolder())
+
+
+def describe_holder(frame: FrameType | None, runs: HoldsLoop | None = None) -> str:
+    """What the loop thread is running, from its innermost ``frame`` and what its
+    `LoopHolder` says runs inline (if anything): the model or fused ensemble and the line of
+    code it is at, with what to do about it."""
     if frame is None:
         return "code that has already returned"
     code = frame.f_code
     where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-    outer: FrameType | None = frame
-    while outer is not None:
-        if outer.f_code is _INLINE_CODE or outer.f_code is _FUSED_CODE:
-            # The runner executing: the method's own, or the fused step loop's current one.
-            runner = outer.f_locals.get("self" if outer.f_code is _INLINE_CODE else "runner")
-            if isinstance(runner, ModelRunner):
-                model = runner.model
-                return (
-                    f"model '{model.name}' (version {model.version}) running inline, at "
-                    f"{where}; every request waits until it returns. {_HINT}"
-                )
-        if outer.f_code is _WHOLE_GRAPH_CODE:
-            fusion = outer.f_locals.get("self")
-            if isinstance(fusion, Fusion):
-                return (
-                    f"ensemble '{fusion.name}' running fused (one compiled call of its steps), "
-                    f"at {where}; every request waits until it returns"
-                )
-        outer = outer.f_back
-    return f"synchronous code at {where}; every request waits until it returns"
+    if runs is None:
+        return f"synchronous code at {where}; every request waits until it returns"
+    return runs.holds_loop_as(where)
 
 
 @contextlib.asynccontextmanager
 async def watch_event_loop(stall_after: float = STALL_AFTER) -> AsyncIterator[None]:
     """Watch the running event loop for the duration of the block (see the module)."""
     loop_thread = threading.get_ident()
+    holder = loop_holder()
     token = trio.lowlevel.current_trio_token()
     stop = threading.Event()
     asked_at: list[float | None] = [None]  # when the pending ping was sent; None: answered
@@ -96,8 +102,9 @@ async def watch_event_loop(stall_after: float = STALL_AFTER) -> AsyncIterator[No
                     return
             elif held_since is None and now - asked >= stall_after:
                 held_since = asked
-                holder = describe_holder(sys._current_frames().get(loop_thread))
-                _log.error("the event loop has been held for %.1f s by %s", now - asked, holder)
+                frame = sys._current_frames().get(loop_thread)
+                what = describe_holder(frame, holder.runs)
+                _log.error("the event loop has been held for %.1f s by %s", now - asked, what)
 
     # A ping through trio's entry queue rather than a sleeping task: no timer of its own, so
     # test clocks (trio.testing.MockClock) and idle servers see no periodic deadline. The

@@ -168,7 +168,7 @@ def assert_idle(server: AsyncServer, *ensembles: str) -> None:
         for version in server.model_versions(name):
             runner = registry.resolve(name, version)
             if isinstance(runner, ModelRunner):
-                assert runner._queued == 0, name
+                assert runner.queued == 0, name
                 assert not any(i.busy for i in runner.instances), name
 
 

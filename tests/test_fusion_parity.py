@@ -35,7 +35,7 @@ from builders import (
     with_fusion,
 )
 from orchestrion import InferenceError, InferenceTimeoutError
-from orchestrion.actors._runner import SWITCH_WINDOW
+from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import DynamicBatching
 
 MODES = ("on", "off")

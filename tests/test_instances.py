@@ -12,7 +12,7 @@ import trio.testing
 
 import orchestrion
 from builders import model, tensor
-from orchestrion.actors._runner import SWITCH_WINDOW
+from orchestrion.actors._instances import SWITCH_WINDOW
 
 
 def _sleepy(count: int) -> orchestrion.Model:

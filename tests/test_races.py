@@ -290,14 +290,14 @@ async def test_unloading_a_threaded_model_answers_its_queued_work_once() -> None
             for _ in range(3):
                 nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
-            assert (runner._queued, runner.instances[0].busy) == (2, True)
+            assert (runner.queued, runner.instances[0].busy) == (2, True)
             await server.unload_model("held")
             with pytest.raises(orchestrion.ModelNotFoundError):
                 await server.infer("held", {"X": X})
             release.set()
         assert [r.outputs["Y"].tolist() for r in results] == [[1.0] * 16] * 3
         assert runner.statistics().execution_count == 3
-        assert (runner._queued, runner.instances[0].busy) == (0, False)
+        assert (runner.queued, runner.instances[0].busy) == (0, False)
 
 
 async def test_reloading_a_threaded_model_with_queued_work_answers_each_request_once() -> None:
@@ -342,7 +342,7 @@ async def test_a_cancelled_threaded_execution_keeps_its_instance_busy_until_it_e
             assert runner.instances[0].busy
             nursery.start_soon(outcome, server, results, "held", {"X": X})
             await trio.testing.wait_all_tasks_blocked()
-            assert runner._queued == 1  # behind the abandoned execution, not beside it
+            assert runner.queued == 1  # behind the abandoned execution, not beside it
             release.set()
         assert given_up.cancelled_caught
         assert [r.outputs["Y"].tolist() for r in results] == [[1.0] * 16]

@@ -190,11 +190,11 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import attrs, jax, jax.numpy as jnp, numpy as np, trio
 import orchestrion
-import orchestrion.actors._runner as runner
+import orchestrion.backends._function as function
 from builders import model, tensor
 from orchestrion.protocols import SequenceBatching
 
-runner._devices = lambda m: jax.devices("cpu")[:2]  # two instances, as on two GPUs
+function.devices = lambda m: jax.devices("cpu")[:2]  # two instances, as on two GPUs
 
 
 def execute(params, state, X):

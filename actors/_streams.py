@@ -1,0 +1,103 @@
+"""Streams: how a decoupled model's responses reach its caller.
+
+How this works: a decoupled model's ``execute`` is a generator (each ``yield`` one
+response). `Streams.stream` runs it in the caller's task, one step at a time: it is
+suspended while the caller holds the previous response, so nothing is buffered. The model's
+instances are *compute slots* here: a generator holds one only while it computes its next
+response (a synchronous step runs in a worker thread), not while its caller is busy, so
+streams that feed each other (a decoupled model nested in another's iterations) cannot
+deadlock on instances. Streams take the instances in turn.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from ..protocols import InferenceError, InferRequest, ServerClosedError, Tensors
+
+if TYPE_CHECKING:
+    from ._runner import ModelRunner
+
+_END = object()
+"""What ``next`` returns when a decoupled model's generator is exhausted."""
+
+
+@attrs.define(eq=False)
+class Streams:
+    """A decoupled model's compute slots (one per instance), held per generator step."""
+
+    runner: ModelRunner
+    slots: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(1))
+    _next_instance: int = 0
+
+    def size(self, instances: int) -> None:
+        """One compute slot per instance (once the instances are loaded)."""
+        self.slots = trio.Semaphore(instances)
+
+    def _unloading(self) -> ServerClosedError:
+        return ServerClosedError(f"model '{self.runner.model.name}' is being unloaded")
+
+    async def stream(self, request: InferRequest) -> AsyncGenerator[Tensors, None]:
+        """The outputs of each response the model yields for ``request``, as they come.
+
+        Raises:
+            InferenceError: ``execute`` raised (after the responses it yielded before).
+            ServerClosedError: the model is being unloaded (also mid-stream).
+        """
+        runner = self.runner
+        if runner.closing:
+            raise self._unloading()
+        instances = runner.instances
+        instance = instances[self._next_instance % len(instances)]
+        self._next_instance += 1
+        pool, backend = runner.pool, runner.backend
+        started = time.perf_counter_ns()
+        error: BaseException | None = None
+        generator: Any = None
+        try:
+            async with self.slots:
+                args = backend.arguments(request, None, instance.loaded)
+                generator = backend.open_stream(instance.loaded, args)
+            try:
+                step: Callable[[], Any] = _stepper(generator)
+                while True:
+                    if runner.closing:
+                        raise self._unloading()
+                    async with self.slots:
+                        raw = await step()
+                    if raw is _END:
+                        return
+                    yield pool.checked(raw)
+            finally:
+                if inspect.isasyncgen(generator):
+                    await generator.aclose()
+                else:
+                    generator.close()
+        except (InferenceError, ServerClosedError) as exc:
+            error = exc
+            raise
+        except Exception as exc:
+            error = pool.error(exc)
+            raise error from exc
+        finally:
+            if generator is not None:  # it ran: one execution (a stream gave up before not)
+                elapsed = time.perf_counter_ns() - started
+                timings = None if error is not None else (0, elapsed, 0)  # an error's span
+                runner.record(instance, 0, timings, elapsed, 1, False, [request], started)
+
+
+def _stepper(generator: Any) -> Callable[[], Any]:
+    """An awaitable step of ``generator``: the next response, or `_END`."""
+    if inspect.isasyncgen(generator):
+        return lambda: anext(generator, _END)
+
+    async def step() -> Any:
+        return await trio.to_thread.run_sync(next, generator, _END)
+
+    return step

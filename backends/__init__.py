@@ -1,0 +1,15 @@
+"""Backends: how one model's code becomes something the runtime can call.
+
+A backend loads a model's instances (initialise, place on a device, compile, warm up), runs
+one execution (a request, or a batch of them joined on the batch dimension), opens a stream
+for a decoupled model, and says what it can do (`Capabilities`); the runner decides from
+those alone how to run it (inline or in a worker thread, batched, as a stream, with a
+sequence's state). `backend_for` picks the backend of a `Model`. Two kinds exist: JAX
+(``jax.jit``, device placement) and plain Python (sync, async, generators).
+"""
+
+from ._base import Backend as Backend
+from ._base import Capabilities as Capabilities
+from ._base import LoadedInstance as LoadedInstance
+from ._base import backend_for as backend_for
+from ._base import model_problems as model_problems

@@ -1,0 +1,153 @@
+"""The interface between the runtime and a model's code, and the choice of backend.
+
+How this works: the runner (`orchestrion.actors._runner`) holds one `Backend` per loaded
+model version and never looks past it. `Backend.load` runs in a worker thread and returns
+the model's instances (`LoadedInstance`), each placed on its device and, for a compiling
+backend, compiled and timed for the declared shapes. `Backend.execute` runs one execution
+synchronously (inline on the event loop or in a worker thread, as the runner decides),
+`execute_async` one that awaits, `open_stream` a decoupled model's generator. What a backend
+can do is declared in `Capabilities`, which is all the runner, the batcher, fusion and the
+registry read. A new kind of model (Triton's python backend, ONNX Runtime) is a new
+`Backend` here, chosen in `backend_for`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..protocols import InferRequest, ModelConfig, Tensors
+
+if TYPE_CHECKING:
+    from ..actors._definition import Model
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    """What a backend's model code can do; the runtime decides how to run it from this."""
+
+    is_async: bool
+    """``execute`` awaits: it runs on the event loop, never in a worker thread."""
+    streaming: bool
+    """Decoupled: an execution yields zero or more responses (`Backend.open_stream`)."""
+    stateful: bool
+    """An execution takes a sequence's state and returns its new state."""
+    batching: bool
+    """An execution may take several requests joined on the batch dimension."""
+    thread_safe: bool
+    """An execution may run in a worker thread (the inline/thread policy may move it)."""
+    compiles: bool
+    """Executions are compiled per input shapes (`Backend.signature`): an execution for
+    shapes an instance has not compiled yet runs in a worker thread."""
+    takes_request: bool
+    """``execute`` sees the request's metadata (a ``request`` argument)."""
+    traceable: bool
+    """``execute`` can be traced into an ensemble's one fused ``jax.jit`` function."""
+
+
+@attrs.define(eq=False)
+class LoadedInstance:
+    """One instance of a model as its backend loaded it."""
+
+    index: int
+    device: Any
+    """Where it computes (a JAX device; None where the backend has no notion of one)."""
+    params: Any = None
+    """What ``initialize`` returned (placed on `device`), or None."""
+    compiled: set[Hashable] = attrs.field(factory=set)
+    """Input signatures (`Backend.signature`) this instance has compiled."""
+    typical_ns: int | None = None
+    """A warm-up execution's duration (the median of five), or None: not measured."""
+
+    def compiled_for(self, signature: Hashable | None) -> bool:
+        """Whether an execution for ``signature`` (None: shapes fixed or irrelevant) runs
+        without compiling first."""
+        return signature is None or signature in self.compiled
+
+
+class Backend(abc.ABC):
+    """One loaded model version's code, behind the interface the runtime calls."""
+
+    config: ModelConfig
+    """The model's config."""
+    capabilities: Capabilities
+    """What its code can do."""
+    variable_shapes: bool = False
+    """Requests' input shapes may differ (so may their `signature`): an execution may have
+    to compile; False: every valid request has the shapes compiled at load."""
+    padded_sizes: tuple[int, ...] = ()
+    """Batch sizes a batching model's executions are padded to (all compiled at load);
+    empty: executions take the batch as it is."""
+
+    @abc.abstractmethod
+    def load(self) -> list[LoadedInstance]:
+        """Initialise, place, compile and warm up every instance (runs in a worker thread).
+
+        Raises:
+            ModelLoadError: initialising or compiling failed (the message names the file).
+        """
+
+    @abc.abstractmethod
+    def signature(self, inputs: Tensors) -> Hashable | None:
+        """What an execution for ``inputs`` is compiled for; None: nothing to compile."""
+
+    @abc.abstractmethod
+    def arguments(
+        self, request: InferRequest, state: Any, instance: LoadedInstance
+    ) -> Mapping[str, Any]:
+        """The arguments of one execution for ``request`` (and a stateful model's ``state``)."""
+
+    @abc.abstractmethod
+    def execute(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], Any]:
+        """Run one execution to the end: its outputs as host arrays, and a stateful model's
+        new state (None otherwise). Raises whatever the model's code raised."""
+
+    async def execute_async(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], Any]:
+        """`execute` for code that awaits (`Capabilities.is_async`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run async code")
+
+    def open_stream(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> Iterator[Any] | AsyncIterator[Any]:
+        """A decoupled model's responses for one request (`Capabilities.streaming`): an
+        iterator (each step runs in a worker thread) or an async iterator; close it when
+        done."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def initial_state(self) -> Any:
+        """The state a new sequence starts with (stateful models), or None."""
+        return None
+
+    def traceable(self) -> Callable[..., Mapping[str, Any]]:
+        """``fn(params, **inputs)``, one execution as JAX can trace it into an ensemble's
+        fused function (`Capabilities.traceable`); ``params``: an instance's."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be traced")
+
+    def close(self) -> None:  # noqa: B027 (a hook: most backends hold nothing to release)
+        """Release what `load` acquired (the runner calls it once its instances ended)."""
+
+
+def backend_for(model: Model) -> Backend:
+    """The backend that runs ``model``'s code (a model, not an ensemble)."""
+    from ._jax import JaxBackend
+    from ._python import PythonBackend
+
+    return JaxBackend(model) if model.jit else PythonBackend(model)
+
+
+def model_problems(model: Model, where: str, in_config: str) -> list[str]:
+    """The ways ``model``'s code cannot run on its backend (empty when it can): ``where``
+    names the code, ``in_config`` the config, in the messages."""
+    from ._jax import jax_problems
+    from ._python import python_problems
+
+    if model.jit:
+        return jax_problems(model, where, in_config)
+    return python_problems(model, where, in_config)
