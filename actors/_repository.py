@@ -10,16 +10,14 @@ config and the version folder (`revision`), so that cached answers never outlive
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import xxhash
 
+from ..backends import import_code_file
 from ..protocols import (
     ConfigError,
     ModelConfig,
@@ -32,7 +30,6 @@ from ._definition import Model, check_model
 
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.py"
-_module_ids = itertools.count()
 _log = logging.getLogger("orchestrion")
 
 
@@ -189,18 +186,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     if config.is_ensemble:
         return Model(config=config, version=version, source=config_source, revision=fingerprint)
     path = entry.model_file(version)
-    module_name = f"_orchestrion_models.m{next(_module_ids)}_{entry.name}_v{version}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ModelLoadError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        sys.modules.pop(module_name, None)
+    module = import_code_file(path, f"{entry.name}_v{version}")
     model = Model(
         config=config,
         execute=getattr(module, "execute", None),

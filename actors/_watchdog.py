@@ -29,7 +29,7 @@ _log = logging.getLogger("orchestrion")
 STALL_AFTER = 1.0
 """Seconds the event loop may be held before the watchdog says so."""
 TICK = 0.1
-"""Seconds between heartbeats, and between the watchdog's checks."""
+"""Seconds between the watchdog's pings of the event loop (and its checks)."""
 
 THREAD_HINT = (
     'A model that can run this long belongs in a worker thread: parameters { key: "execution" '

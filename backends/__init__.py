@@ -13,3 +13,4 @@ from ._base import Capabilities as Capabilities
 from ._base import LoadedInstance as LoadedInstance
 from ._base import backend_for as backend_for
 from ._base import model_problems as model_problems
+from ._function import import_code_file as import_code_file

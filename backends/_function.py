@@ -10,7 +10,12 @@ Instances follow ``instance_group``: one per device (a JAX device; KIND_GPU plac
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import sys
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -27,6 +32,32 @@ from ._base import Backend, LoadedInstance
 
 if TYPE_CHECKING:
     from ..actors._definition import Model
+
+
+_module_ids = itertools.count()
+
+
+def import_code_file(path: Path, label: str) -> ModuleType:
+    """Import a model's code file (a ``model.py``) as a module of its own, never entered in
+    ``sys.modules`` (two versions of one model, or two models' helpers, never clash).
+
+    Raises:
+        ModelLoadError: the file cannot be imported, or importing it raised (the message
+            names the file and keeps the original error).
+    """
+    module_name = f"_orchestrion_models.m{next(_module_ids)}_{label}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"{path}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.modules.pop(module_name, None)
+    return module
 
 
 def devices(model: Model) -> list[Any]:
