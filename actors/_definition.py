@@ -92,6 +92,14 @@ def check_model(model: Model) -> list[str]:
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
     errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)
+    errors += _kind_problems(model, where, in_config)
+    return errors + _parameter_problems(model, where)
+
+
+def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
+    """What the config says the model is (decoupled, stateful, batching) against its code."""
+    config = model.config
+    errors = []
     generator = inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(
         model.execute
     )
@@ -114,8 +122,16 @@ def check_model(model: Model) -> list[str]:
         errors.append(
             f"{where}: initial_state is for stateful models; the config has no sequence_batching"
         )
+    return errors
+
+
+def _parameter_problems(model: Model, where: str) -> list[str]:
+    """``execute``'s parameters against the config's inputs (params and state first)."""
+    config = model.config
+    stateful = config.sequence_batching is not None
+    errors: list[str] = []
     try:
-        signature = inspect.signature(model.execute)
+        signature = inspect.signature(model.execute)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return errors
     params = list(signature.parameters.values())
