@@ -108,7 +108,7 @@ async def layers() -> list[tuple[str, float]]:
             ),
             (
                 "+ execute wrapper (timings, output checks)",
-                loop_cost(lambda: runner._execute_sync(instance, request)),
+                loop_cost(lambda: runner.pool.run_inline(instance, request, None)),
             ),
             ("+ instance, execution stats, response", loop_cost(lambda: runner.infer_now(request))),
             (
