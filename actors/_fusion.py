@@ -245,9 +245,13 @@ class Fusion:
             return "refused"
         return "compiling" if signature in self._compiling else "new"
 
-    def compiling(self, signature: Signature) -> None:
-        """Mark ``signature`` as being prepared (before `prepare` is started)."""
-        self._compiling.add(signature)
+    def compiling(self, signature: Signature, preparing: bool = True) -> None:
+        """Mark ``signature`` as being prepared (before `prepare` is started), or, with
+        ``preparing=False``, as new again (`prepare` could not be started)."""
+        if preparing:
+            self._compiling.add(signature)
+        else:
+            self._compiling.discard(signature)
 
     async def prepare(self, signature: Signature, inputs: Tensors) -> None:
         """Check every step's abstract inputs and outputs for these inputs and compile, in a

@@ -1,0 +1,196 @@
+"""When an ensemble's request runs fused (`Fusion`), and when it takes the scheduler's path.
+
+How this works. `FusionGate.fused` answers a request with the ensemble's fused call when it
+can, and with None otherwise (the caller then runs the request through the `Scheduler`). A
+request is fused only when it asks for every output, passes every input, and the fusion is
+usable: its composing models are still the ones it was built for (the registry's generation
+says whether anything was loaded or unloaded since; a change rebuilds it, or finds that the
+models cannot be fused any more), it has not turned slow, its models are idle, and, with
+``max_inflight_requests``, no request is in the steps (a fused call would run past their
+limit).
+
+Epochs. Requests on the scheduler's path count in the current `Epoch`. A fusable request
+that finds the models busy with them closes the epoch and waits for its requests (not for
+ones that start later, which open a new epoch) to end, then tries again, once. Without that,
+under steady load, each request would find the steps busy with the previous ones and none
+would be fused again. Models busy with other work (a direct call to a composing model,
+another ensemble) are not waited for: the request takes the scheduler's path.
+
+In mode "xla" a new input signature is compiled in a task of the ensemble's own nursery
+(`FusionGate.nursery`, set once the step actors run) while its requests take the scheduler's
+path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import attrs
+import numpy as np
+import trio
+
+from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, Tensors
+from ._ensemble_scheduler import Router, Scheduler
+from ._fusion import Fusion
+from ._runner import ModelRunner, batch_size
+
+
+@attrs.define(eq=False)
+class Epoch:
+    """Requests on the scheduler's path that fusable requests wait for (`FusionGate`)."""
+
+    runs: int = 0
+    closed: bool = False
+    """A request waits for these: later ones start a new epoch."""
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
+@attrs.define(eq=False)
+class FusionGate:
+    """Decides whether a request of one ensemble runs fused, and keeps its fusion current."""
+
+    config: ModelConfig
+    router: Router
+    scheduler: Scheduler
+    order: tuple[StepPlan, ...]
+    """Every step, each after the steps it needs: the order of the fused call."""
+    observed: bool
+    """An observer listens: nothing is fused (it must see every step)."""
+    fusion: Fusion | None = None
+    """The fusion for the composing models last checked; None: none (yet, or possible)."""
+    nursery: trio.Nursery | None = None
+    """Where new signatures compile (the ensemble's own); None until it serves."""
+    may_fuse: bool = attrs.field(init=False, default=False)
+    """The ensemble's configuration allows fusing at all."""
+    _outputs: frozenset[str] = attrs.field(init=False)
+    _generation: int = -1
+    """The registry's generation when `fusion` was last checked (or found impossible)."""
+    _mode: str = attrs.field(init=False, default="on")
+    _epoch: Epoch | None = None
+    """The requests of this ensemble on the scheduler's path that later ones may wait for."""
+
+    def __attrs_post_init__(self) -> None:
+        self._outputs = frozenset(self.scheduler.graph.outputs)
+        self._mode = self.config.parameters.get("fusion", "on")
+        self.may_fuse = (
+            self._mode in ("on", "xla")
+            and not self.observed
+            and all(t.reshape is None for t in self.config.input)
+            and all(t.reshape is None for t in self.config.output)
+        )
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def open_epoch(self) -> Epoch:
+        """Count a request that takes the scheduler's path; `close_epoch` when it is done."""
+        epoch = self._epoch
+        if epoch is None or epoch.closed:
+            epoch = self._epoch = Epoch()
+        epoch.runs += 1
+        return epoch
+
+    def close_epoch(self, epoch: Epoch) -> None:
+        """A request counted by `open_epoch` is done."""
+        epoch.runs -= 1
+        if epoch.runs == 0:
+            epoch.done.set()
+            if self._epoch is epoch:
+                self._epoch = None
+
+    # -- the fused call --------------------------------------------------------------------
+
+    async def fused(self, request: InferRequest) -> dict[str, np.ndarray[Any, Any]] | None:
+        """Every output of the fused call (see `Fusion`), or None: the scheduler runs it."""
+        requested = request.requested_outputs
+        if requested is not None and requested != self._outputs:
+            return None
+        inputs = request.inputs
+        if len(inputs) != len(self.config.input):  # an optional input left out
+            return None
+        fusion = self.current()
+        if fusion is None or fusion.slow:
+            return None
+        if not fusion.idle() or not self._steps_free():
+            epoch = self._epoch
+            if epoch is None:
+                return None  # busy with other work (a direct call, another ensemble)
+            # Busy with this ensemble's own requests on the scheduler's path: wait for those
+            # (not for any that start later) to end, rather than join them. Otherwise, under
+            # steady load, each request would find the steps busy with the previous ones and
+            # none would be fused again. A request waits at most once, and its wait counts
+            # towards its timeout.
+            epoch.closed = True
+            await epoch.done.wait()
+            fusion = self.current()
+            if fusion is None or fusion.slow or not fusion.idle() or not self._steps_free():
+                return None
+        rows = batch_size(self.config.max_batch_size, inputs)
+        if fusion.gathers:
+            gathered = await fusion.gather(
+                inputs, rows, lambda: self._still_fusing(fusion), self._compile_later
+            )
+            if gathered is None:
+                return None
+            await trio.lowlevel.checkpoint_if_cancelled()  # a late result is cancelled
+            return gathered
+        outputs = fusion.run(inputs, [rows], self._compile_later)
+        if outputs is None:
+            return None
+        await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled
+        return outputs
+
+    def current(self) -> Fusion | None:
+        """The fusion for the composing models loaded now (built when they changed), or None
+        when they cannot be fused."""
+        generation = self.router.generation
+        if generation == self._generation:
+            return self.fusion  # nothing loaded or unloaded since it was checked
+        try:
+            runners = tuple(self.router.resolve(p.model_name, p.model_version) for p in self.order)
+        except OrchestrionError:
+            return None
+        self._generation = generation
+        fusion = self.fusion
+        if fusion is not None and fusion.current(runners):
+            return fusion
+        mbs = self.config.max_batch_size
+        if not all(self.router.fusable(r, mbs) for r in runners):
+            self.fusion = None
+            return None
+        composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
+        scheduler = self.scheduler
+        self.fusion = Fusion(
+            self.config.name,
+            self.order,
+            composing,
+            tuple(scheduler.graph.outputs),
+            mode=self._mode,
+            max_batch=mbs,
+            max_requests=scheduler.steps[0].capacity if scheduler.limited else 0,
+        )
+        return self.fusion
+
+    def _still_fusing(self, fusion: Fusion) -> bool:
+        """After a wait: no composing model reloaded, nothing queued, no step busy beyond
+        what max_inflight_requests allows. (An unload that began meanwhile still lets this
+        admitted request finish, fused or not.)"""
+        return self.current() is fusion and fusion.idle() and self._steps_free()
+
+    def _steps_free(self) -> bool:
+        """With max_inflight_requests, a fused request must not run while the scheduler has
+        requests in the steps (it would run past their limit)."""
+        if not self.scheduler.limited:
+            return True
+        return self.scheduler.empty()
+
+    def _compile_later(self, signature: Any, inputs: Tensors) -> None:
+        """Prepare a new signature of the current fusion in a task of the ensemble's own;
+        the requests meanwhile take the scheduler's path."""
+        fusion, nursery = self.fusion, self.nursery
+        if fusion is None or nursery is None or fusion.state(signature) != "new":
+            return
+        fusion.compiling(signature)
+        try:
+            nursery.start_soon(fusion.prepare, signature, dict(inputs))
+        except RuntimeError:  # the ensemble is shutting down: no more compilations
+            fusion.compiling(signature, preparing=False)

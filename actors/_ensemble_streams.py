@@ -1,0 +1,110 @@
+"""Streaming through an ensemble with a decoupled step: one response per iteration.
+
+How this works. A streamed request does not go through the step actors: `EnsembleStreams`
+runs its needed steps in order (`Plans.order`), in the caller's task, each through the
+registry like any step. A decoupled step's responses are iterations: for each one, the steps
+after it run on a copy of the tensors so far (forking, recursively, at a later decoupled
+step), and the finished tensors are yielded before the producer is asked for its next
+response. The producer's generator thus stays suspended while its iteration travels
+downstream, so memory holds one iteration per stream, whatever the producer's speed.
+
+Each step still honours its ``max_inflight_requests`` across every stream and request of the
+ensemble: a streamed step holds one of its step's stream slots while it runs (`Step`), and
+counts as in flight in the step's statistics. Its model's errors leave prefixed with the
+step, as the scheduler reports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import attrs
+
+from ..protocols import (
+    InferenceError,
+    InferRequest,
+    InferResponse,
+    InvalidRequestError,
+    ServerClosedError,
+    StepPlan,
+)
+from ._ensemble_plans import Plan
+from ._ensemble_scheduler import Scheduler, Step, step_failed
+
+
+@attrs.define(eq=False)
+class EnsembleStreams:
+    """The streamed requests of one ensemble, run step by step in the caller's task."""
+
+    scheduler: Scheduler
+    """The ensemble's steps (their slots and counts) and its router."""
+
+    async def iterate(
+        self, request: InferRequest, plan: Plan, order: list[int], tensors: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Run ``order`` on ``tensors``; a decoupled step forks one iteration per response."""
+        router = self.scheduler.router
+        for position, index in enumerate(order):
+            step = self.scheduler.steps[index]
+            plan_step = step.plan
+            step_request = request.derive(
+                model_name=plan_step.model_name,
+                model_version=plan_step.model_version,
+                inputs={i: tensors[t] for i, t in plan_step.inputs if t in tensors},
+                requested_outputs=plan.step_outputs[index],
+            )
+            if router.decoupled(plan_step.model_name):
+                async with contextlib.aclosing(self._stream_step(step, step_request)) as produced:
+                    async for response in produced:
+                        branch = dict(tensors)
+                        branch.update(self._mapped(plan_step, response))
+                        rest = order[position + 1 :]
+                        async with contextlib.aclosing(
+                            self.iterate(request, plan, rest, branch)
+                        ) as runs:
+                            async for done in runs:
+                                yield done
+                return
+            response = await self._step_once(step, step_request)
+            tensors.update(self._mapped(plan_step, response))
+        yield tensors
+
+    @staticmethod
+    def _mapped(plan: StepPlan, response: InferResponse) -> dict[str, Any]:
+        return {t: response.outputs[o] for o, t in plan.outputs if o in response.outputs}
+
+    @contextlib.asynccontextmanager
+    async def _streamed(self, step: Step) -> AsyncIterator[None]:
+        """Hold one of the step's stream slots; its model's errors leave prefixed with it."""
+        slots = step.stream_slots
+        if slots is not None:
+            await slots.acquire()
+        step.in_flight += 1
+        name = self.scheduler.config.name
+        try:
+            yield
+        except InferenceError as exc:
+            raise step_failed(name, step.plan, exc) from exc.__cause__
+        except (InvalidRequestError, ServerClosedError) as exc:
+            raise step_failed(name, step.plan, exc) from exc
+        finally:
+            step.in_flight -= 1
+            if slots is not None:
+                slots.release()
+
+    async def _step_once(self, step: Step, request: InferRequest) -> InferResponse:
+        async with self._streamed(step):
+            return await self.scheduler.router.infer(request, from_ensemble=True)
+
+    async def _stream_step(
+        self, step: Step, request: InferRequest
+    ) -> AsyncGenerator[InferResponse, None]:
+        """A decoupled step's responses; it holds one of the step's slots while it runs."""
+        async with (
+            self._streamed(step),
+            contextlib.aclosing(self.scheduler.router.stream_infer(request)) as responses,
+        ):
+            async for response in responses:
+                yield response

@@ -1,0 +1,100 @@
+"""Reading models from a repository folder for the registry to load (nothing is loaded here).
+
+How this works. `read_repository` scans the folder in a worker thread (the file system may
+be slow): every model folder, or only the named ones plus, for each ensemble among them, the
+composing models it needs that are not loaded yet (`scan_closure`, recursively through nested
+ensembles). Every problem of the scan is reported together, files and fields named. Only then
+is each selected version's ``model.py`` imported (`load_code`, also in a worker thread), again
+reporting every failure together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from pathlib import Path
+
+import trio
+
+from ..protocols import ConfigError, ModelLoadError
+from ._definition import Model
+from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
+
+
+async def read_repository(
+    root: Path, names: Sequence[str] | None, loaded: Container[str]
+) -> list[Model]:
+    """Read models from the repository folder ``root``: all of them, or ``names`` plus the
+    composing models their ensembles need that are not in ``loaded``.
+
+    Raises:
+        ConfigError: the repository or a config is wrong (files and fields named).
+        ModelLoadError: a ``model.py`` failed to import.
+    """
+    if names is None:
+        entries, errors = await trio.to_thread.run_sync(scan_repository, root)
+    else:
+        entries, errors = await trio.to_thread.run_sync(scan_closure, root, list(names), loaded)
+    if errors:
+        raise ConfigError(errors)
+    return await trio.to_thread.run_sync(load_code, entries)
+
+
+def scan_closure(
+    root: Path, names: list[str], loaded: Container[str]
+) -> tuple[list[RepositoryEntry], list[str]]:
+    """The model folders ``names`` of ``root``, and those of the composing models their
+    ensembles use that are not in ``loaded``; and every problem found."""
+    entries: dict[str, RepositoryEntry] = {}
+    errors: list[str] = []
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in entries:
+            continue
+        try:
+            folder = (root / name).resolve()
+            found = folder.parent == root.resolve() and folder.is_dir()
+        except OSError:  # a name the file system cannot hold (too long, say)
+            found = False
+        if not found:
+            errors.append(f"{root}: has no model folder {name!r:.80}")
+            continue
+        entry, problems = scan_model_folder(folder)
+        errors.extend(problems)
+        if entry is None:
+            continue
+        entries[name] = entry
+        sched = entry.config.ensemble_scheduling
+        if sched is not None:
+            todo.extend(
+                s.model_name
+                for s in sched.step
+                if s.model_name not in loaded and s.model_name not in entries
+            )
+    return list(entries.values()), errors
+
+
+def load_code(entries: Sequence[RepositoryEntry]) -> list[Model]:
+    """Import every selected version; report all failures together.
+
+    Raises:
+        ConfigError: only contract violations were found.
+        ModelLoadError: some file failed to import (contract violations listed too).
+    """
+    models: list[Model] = []
+    broken: list[str] = []
+    failed_import = False
+    for entry in entries:
+        for version in entry.versions:
+            try:
+                models.append(load_model_code(entry, version))
+            except ConfigError as exc:
+                broken.extend(exc.errors)
+            except ModelLoadError as exc:
+                broken.append(str(exc))
+                failed_import = True
+    if failed_import:
+        raise ModelLoadError("\n".join(broken))
+    if broken:
+        raise ConfigError(broken)
+    return models

@@ -1,0 +1,376 @@
+"""Routing requests to loaded models: admission, the response cache, per-request accounting.
+
+How this works. `RequestRouter.infer` resolves the model and version in the `LoadedModels`,
+checks the inputs against the config (a refused request counts as REJECTED on its model), and
+keeps Triton's per-model statistics, a span when tracing, and the observer's events around
+the call. Ensembles call back into it for their steps (it is their `Router`), so composing
+models are counted exactly like direct requests. Short synchronous work on an idle instance
+runs in the caller's task (`ready_now`, `infer_now`) instead of a trip through the model's
+queue.
+
+A model (or ensemble) with ``response_cache`` enabled on a server with a cache goes through
+the cache actor instead: a hit answers without running anything (for an ensemble, without
+running any step); a miss runs exactly what an uncached request would, and stores the
+response. A request for only some outputs has their names in its key: an ensemble prunes its
+steps for them, so its response (even whether it fails) depends on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+
+import attrs
+import trio
+from opentelemetry.trace import Span
+
+from ..caches import CacheActor, Flight
+from ..protocols import (
+    InferenceError,
+    InferRequest,
+    InferResponse,
+    InvalidRequestError,
+    ModelConfig,
+    ModelNotFoundError,
+    Observer,
+    cache_key,
+    shared_outputs,
+    stored_outputs_problem,
+)
+from ..telemetry import UNSAMPLED, RequestTracing
+from ._ensemble import EnsembleRunner
+from ._fusion import fusable
+from ._loaded_models import LoadedModels, Runner
+from ._runner import ModelRunner, batch_size
+
+
+def _check_requested(request: InferRequest, response: InferResponse) -> None:
+    wanted = request.requested_outputs
+    if wanted is not None and not wanted <= response.outputs.keys():
+        lost = ", ".join(f"'{o}'" for o in sorted(wanted - response.outputs.keys()))
+        raise InferenceError(
+            f"model '{request.model_name}' did not produce the requested outputs {lost} (a "
+            "model left them out of its result)",
+            model_name=request.model_name,
+        )
+
+
+def caches(config: ModelConfig) -> bool:
+    """Whether ``config`` asks for its responses to be cached."""
+    cache = config.response_cache
+    return cache is not None and cache.enable
+
+
+@attrs.define(eq=False)
+class RequestRouter:
+    """Admits requests for the loaded models and runs them, through the cache when theirs
+    caches; the `Router` of every ensemble's steps."""
+
+    models: LoadedModels
+    observer: Observer | None
+    """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
+    cache: CacheActor | None = None
+    """The server's response cache; None when the server has none."""
+    tracing: RequestTracing | None = None
+    """Spans of every request; None when the server does not trace."""
+
+    @property
+    def generation(self) -> int:
+        """Counts the changes to the set of loaded runners (`LoadedModels.generation`)."""
+        return self.models.generation
+
+    def resolve(self, name: str, version: int = -1) -> Runner:
+        """The runner of ``name`` at ``version`` (`LoadedModels.resolve`)."""
+        return self.models.resolve(name, version)
+
+    def decoupled(self, model_name: str) -> bool:
+        """Whether ``model_name`` streams: a decoupled model, or an ensemble with one."""
+        return self.models.decoupled(model_name)
+
+    def _admit(
+        self, request: InferRequest, from_ensemble: bool = False
+    ) -> tuple[Runner, InferRequest]:
+        """Resolve the model and check the request against its config."""
+        runner = self.models.resolve(request.model_name, request.model_version)
+        inputs = runner.checker.inputs(request.inputs, adapt_batching=from_ensemble)
+        wanted = request.requested_outputs
+        if wanted is not None and not wanted <= runner.output_names:
+            unknown = sorted(wanted - runner.output_names)
+            raise InvalidRequestError(
+                f"model '{runner.config.name}': requested unknown outputs "
+                + ", ".join(f"'{o}'" for o in unknown)
+                + f" (outputs: {', '.join(sorted(runner.output_names))})"
+            )
+        if inputs is request.inputs:
+            return runner, request
+        return runner, request.derive(
+            model_name=request.model_name,
+            model_version=request.model_version,
+            inputs=inputs,
+            requested_outputs=wanted,
+        )
+
+    def _rejected(self, request: InferRequest, error: InvalidRequestError) -> None:
+        """Count a request its model refused (bad inputs) as a REJECTED failure."""
+        if isinstance(error, ModelNotFoundError):
+            return  # no model to count it on
+        versions = self.models.runners.get(request.model_name)
+        if versions:
+            version = request.model_version
+            runner = versions.get(version) if version > 0 else versions[max(versions)]
+            if runner is not None:
+                runner.stats.request_finished(error, 0, 0)
+
+    def _started(
+        self, runner: Runner, request: InferRequest, from_ensemble: bool
+    ) -> tuple[int, InferRequest, Span | None]:
+        runner.stats.pending += 1
+        span = None
+        if self.tracing is not None and request.trace is not UNSAMPLED:
+            batch = batch_size(runner.config.max_batch_size, request.inputs)
+            span, request = self.tracing.start_request(
+                runner.config.name, runner.version, request, batch, from_ensemble
+            )
+        if self.observer is not None:
+            self.observer.request_started(runner.config.name, runner.version, request)
+        return time.perf_counter_ns(), request, span
+
+    def _finished(
+        self,
+        runner: Runner,
+        request: InferRequest,
+        start: int,
+        error: BaseException | None,
+        span: Span | None,
+        cache_hit: bool | None = None,
+    ) -> None:
+        duration = time.perf_counter_ns() - start
+        stats = runner.stats
+        stats.pending -= 1
+        batch = batch_size(runner.config.max_batch_size, request.inputs)
+        stats.request_finished(error, duration, batch, bool(cache_hit))
+        if span is not None:
+            RequestTracing.end_request(span, error, cache_hit)
+        if self.observer is not None:
+            self.observer.request_finished(
+                runner.config.name, runner.version, request, error, duration
+            )
+
+    async def infer(
+        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
+    ) -> InferResponse:
+        """Check ``request`` against its model's config and run it.
+
+        Args:
+            request: the request.
+            strict_outputs: a requested output the model leaves out is an error (for a
+                client that named it; an ensemble step just leaves it out).
+            from_ensemble: the request is an ensemble step's: a leading batch of 1 is added
+                or removed where only one side batches (Triton's rule inside ensembles).
+
+        Raises:
+            ModelNotFoundError: unknown model or version.
+            InvalidRequestError: bad inputs or requested outputs (nothing ran).
+            InferenceError: the model or a step of the ensemble failed, or (strict) a
+                requested output was left out.
+        """
+        try:
+            runner, request = self._admit(request, from_ensemble)
+            if self.models.decoupled(runner.config.name):
+                raise InvalidRequestError(
+                    f"model '{runner.config.name}' is decoupled (it sends zero or many "
+                    "responses per request): call stream_infer"
+                )
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
+        if self.cache is not None and caches(runner.config):
+            return await self._infer_cached(
+                self.cache, runner, request, strict_outputs, from_ensemble
+            )
+        # Short synchronous work on an idle instance runs here, between a cancellation check
+        # and a checkpoint, instead of making a trip through the model's queue.
+        now = runner.ready_now(request.inputs)
+        start, request, span = self._started(runner, request, from_ensemble)
+        try:
+            if now:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                response = runner.infer_now(request)
+                await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+            else:
+                alone = None
+                if runner.may_run_alone(request.inputs):
+                    alone = await runner.run_alone(request)
+                if alone is not None:
+                    response = alone
+                    await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+                else:
+                    response = await runner.infer(request)
+                    # The answer came from another task; a deadline that passed meanwhile
+                    # has been seen by now: a late result is cancelled, not returned.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+            if strict_outputs:
+                _check_requested(request, response)
+        except BaseException as exc:
+            self._finished(runner, request, start, exc, span)
+            raise
+        self._finished(runner, request, start, None, span)
+        return response
+
+    async def _infer_cached(
+        self,
+        cache: CacheActor,
+        runner: Runner,
+        request: InferRequest,
+        strict_outputs: bool,
+        from_ensemble: bool,
+    ) -> InferResponse:
+        start, request, span = self._started(runner, request, from_ensemble)
+        hit: bool | None = None
+        try:
+            wanted = request.requested_outputs
+            if wanted is not None and wanted >= runner.output_names:
+                wanted = None  # everything: the same response as asking for nothing
+            key = cache_key(
+                runner.config.name,
+                runner.version,
+                request.inputs,
+                wanted,
+                revision=self.models.revision(runner),
+            )
+            looking = time.perf_counter_ns()
+            flight = await cache.begin(key)
+            try:
+                if flight.entry is not None and not flight.shared:
+                    problem = stored_outputs_problem(
+                        runner.config,
+                        flight.entry.outputs,
+                        batch_size(runner.config.max_batch_size, request.inputs),
+                        wanted,
+                    )
+                    if problem is not None:
+                        flight.reject(problem)
+                hit = flight.entry is not None
+                if self.tracing is not None:
+                    self.tracing.record(
+                        "cache_lookup",
+                        request,
+                        looking,
+                        looking + flight.lookup_ns,
+                        {"orchestrion.cache.hit": hit, "orchestrion.cache.shared": flight.shared},
+                    )
+                # A shared result's wait is the other request's model run, not a lookup.
+                runner.stats.cache_looked_up(hit, 0 if flight.shared else flight.lookup_ns)
+                if self.observer is not None:
+                    self.observer.cache_looked_up(
+                        runner.config.name, runner.version, request, hit, flight.lookup_ns
+                    )
+                if flight.entry is not None:
+                    response = InferResponse(
+                        model_name=runner.config.name,
+                        model_version=runner.version,
+                        request_id=request.request_id,
+                        outputs=shared_outputs(flight.entry, request.requested_outputs),
+                        parameters=runner.response_parameters(request),
+                    )
+                else:
+                    response = await self._run_for_cache(runner, request, flight)
+            finally:
+                flight.release()
+            if strict_outputs:
+                _check_requested(request, response)
+        except BaseException as exc:
+            self._finished(runner, request, start, exc, span, hit)
+            raise
+        self._finished(runner, request, start, None, span, hit)
+        return response
+
+    async def _run_for_cache(
+        self, runner: Runner, request: InferRequest, flight: Flight
+    ) -> InferResponse:
+        """Run a miss exactly as asked (pruned like an uncached request) and store it."""
+        response = await runner.infer(request)
+        storing = time.perf_counter_ns()
+        flight.store(response)
+        runner.stats.cache_miss_ns += flight.insert_ns  # Triton: a miss costs lookup + insert
+        if self.tracing is not None:
+            self.tracing.record("cache_insert", request, storing, storing + flight.insert_ns)
+        return response
+
+    async def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """The responses of a decoupled model to ``request``, as they come (a model that is
+        not decoupled gives its one response).
+
+        Raises:
+            the errors of `infer`, after the responses sent before the failure.
+        """
+        try:
+            runner, request = self._admit(request)
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
+        if not self.models.decoupled(runner.config.name):
+            yield await self.infer(request, strict_outputs=True)
+            return
+        start, request, span = self._started(runner, request, False)
+        error: BaseException | None = None
+        try:
+            if isinstance(runner, EnsembleRunner):
+                async with contextlib.aclosing(runner.stream(request)) as responses:
+                    async for response in responses:
+                        yield response
+            else:
+                assert isinstance(runner, ModelRunner)
+                async with contextlib.aclosing(runner.stream(request)) as outputs:
+                    async for produced in outputs:
+                        yield runner._response(request, produced)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._finished(runner, request, start, error, span)
+
+    def ready_now(self, request: InferRequest) -> bool:
+        """Whether `infer_now` would run ``request`` without waiting."""
+        versions = self.models.runners.get(request.model_name)
+        if not versions:
+            return False
+        version = request.model_version
+        runner = versions.get(version) if version > 0 else versions[max(versions)]
+        if runner is None or (self.cache is not None and caches(runner.config)):
+            return False  # a cached model goes through the cache actor
+        return runner.ready_now(request.inputs)
+
+    def fusable(self, runner: object, max_batch_size: int) -> bool:
+        """Whether an ensemble may trace ``runner`` into its fused call (see `Fusion`): a
+        short jitted model, stateless and unbatched, not cached, not observed or traced."""
+        if self.tracing is not None or self.observer is not None:
+            return False
+        if not fusable(runner, max_batch_size):
+            return False
+        return self.cache is None or not caches(runner.config)  # type: ignore[attr-defined]
+
+    def infer_now(self, request: InferRequest) -> InferResponse:
+        """`infer` of an ensemble step whose model `ready_now` said can run at once, in the
+        caller's task.
+
+        Raises:
+            the errors of `infer`.
+        """
+        try:
+            runner, request = self._admit(request, from_ensemble=True)
+        except InvalidRequestError as exc:
+            self._rejected(request, exc)
+            raise
+        return self._run_now(runner, request)
+
+    def _run_now(self, runner: Runner, request: InferRequest) -> InferResponse:
+        start, request, span = self._started(runner, request, True)
+        try:
+            response = runner.infer_now(request)
+        except BaseException as exc:
+            self._finished(runner, request, start, exc, span)
+            raise
+        self._finished(runner, request, start, None, span)
+        return response
