@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .protocols import OrchestrionError as OrchestrionError
     from .protocols import QueueFullError as QueueFullError
     from .protocols import QueueTimeoutError as QueueTimeoutError
+    from .protocols import RequestOptions as RequestOptions
     from .protocols import ServerClosedError as ServerClosedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
@@ -78,6 +79,7 @@ _WHERE = {
             "OrchestrionError",
             "QueueFullError",
             "QueueTimeoutError",
+            "RequestOptions",
             "ServerClosedError",
             "StepStatistics",
             "TensorConfig",

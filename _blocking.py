@@ -29,9 +29,10 @@ from .protocols import (
     ModelConfig,
     ModelStatistics,
     Observer,
-    ParameterValue,
+    RequestOptions,
     ServerClosedError,
     StepStatistics,
+    check_field_names,
 )
 
 
@@ -132,33 +133,13 @@ class Server:
         model_name: str,
         inputs: Mapping[str, Any],
         *,
-        model_version: int = -1,
-        outputs: Sequence[str] | None = None,
-        request_id: str | None = None,
-        parameters: Mapping[str, ParameterValue] | None = None,
-        sequence_id: int | str = 0,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        priority: int = 0,
-        timeout: float | None = None,
-        traceparent: str | None = None,
+        options: RequestOptions | None = None,
+        **fields: Any,
     ) -> InferResponse:
-        """Run one request; see `AsyncServer.infer` for the arguments and errors."""
-        response: InferResponse = self._call(
-            "infer",
-            model_name,
-            inputs,
-            model_version=model_version,
-            outputs=outputs,
-            request_id=request_id,
-            parameters=parameters,
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            priority=priority,
-            timeout=timeout,
-            traceparent=traceparent,
-        )
+        """Run one request; see `AsyncServer.infer` for the arguments (`RequestOptions`
+        fields by name) and errors."""
+        check_field_names(fields, "Server.infer")
+        response: InferResponse = self._call("infer", model_name, inputs, options=options, **fields)
         return response
 
     def model_statistics(

@@ -1,4 +1,11 @@
-"""The embedding API for trio programs: `open_server` and `AsyncServer`."""
+"""The embedding API for trio programs: `open_server` and `AsyncServer`.
+
+How this works: `open_server` opens, on one exit stack, the event-loop watchdog, the tracing,
+the response cache's actor, the models (a `ModelRegistry`, whose actors live in a nursery of
+their own) and the metrics endpoint, and closes them in reverse order. `AsyncServer` is a thin
+face on the registry: ``infer`` turns its arguments into `RequestOptions` and an `InferRequest`
+(`new_request`, which checks them), and runs it under the request's trio deadline.
+"""
 
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ from .protocols import (
     InferenceTimeoutError,
     InferRequest,
     InferResponse,
+    InvalidRequestError,
     ModelConfig,
     ModelStatistics,
     Observer,
     OrchestrionError,
-    ParameterValue,
+    RequestOptions,
     StepStatistics,
     new_request,
     parse_cache_config,
@@ -120,73 +128,48 @@ class AsyncServer:
         model_name: str,
         inputs: Mapping[str, Any],
         *,
-        model_version: int = -1,
-        outputs: Sequence[str] | None = None,
-        request_id: str | None = None,
-        parameters: Mapping[str, ParameterValue] | None = None,
-        sequence_id: int | str = 0,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        priority: int = 0,
-        # Triton's request field; forwarded to composing models, enforced with a trio deadline.
-        timeout: float | None = None,  # noqa: ASYNC109
-        traceparent: str | None = None,
+        options: RequestOptions | None = None,
+        **fields: Any,
     ) -> InferResponse:
         """Run one inference request and return its response.
+
+        ``server.infer("m", {"X": x}, outputs=["Y"], timeout=2.0)``: the keyword arguments
+        are the fields of `RequestOptions` (``model_version``, ``outputs``, ``request_id``,
+        ``parameters``, ``sequence_id``, ``sequence_start``, ``sequence_end``, ``priority``,
+        ``timeout``, ``traceparent``), documented there.
 
         Args:
             model_name: the model or ensemble to run.
             inputs: input tensors by name (numpy arrays, or anything ``np.asarray`` takes;
                 BYTES inputs as arrays of ``bytes`` or ``str``). Data types must match the
                 config exactly.
-            model_version: -1 or 0 for the latest loaded version.
-            outputs: the outputs wanted (None or empty: all); an ensemble skips steps that
-                only lead to outputs nobody asked for. Asking for an output the model then
-                leaves out of its result is an `InferenceError`.
-            request_id: echoed in the response and forwarded to composing models.
-            parameters: custom request parameters, forwarded to composing models.
-            sequence_id, sequence_start, sequence_end: sequence (correlation) metadata,
-                forwarded to composing models.
-            priority: request priority, forwarded to composing models.
-            timeout: seconds the whole request may take. Work that can be cancelled (async
-                models, queued requests, waits) is cancelled then; a synchronous execution
-                that is running finishes, and its late result is discarded.
-            traceparent: a W3C ``traceparent`` header: the request's span becomes a child of
-                the span it names (when the server traces).
+            options: how to run it, made beforehand (None: the defaults).
+            **fields: `RequestOptions` fields by name, replacing those of ``options``.
 
         Returns:
             the response: ``.outputs`` (numpy arrays by name) and ``.parameters``.
 
         Raises:
+            TypeError: a keyword argument that is not a `RequestOptions` field.
             ModelNotFoundError: unknown model or version.
             InvalidRequestError: an argument of the wrong kind; wrong, missing or unexpected
                 inputs or outputs.
             InferenceError: the model or an ensemble step failed (the message names it).
             InferenceTimeoutError: ``timeout`` expired.
         """
-        request = self._traced(
-            new_request(
-                model_name,
-                inputs,
-                model_version=model_version,
-                outputs=outputs,
-                request_id=request_id,
-                parameters=parameters,
-                sequence_id=sequence_id,
-                sequence_start=sequence_start,
-                sequence_end=sequence_end,
-                priority=priority,
-                timeout=timeout,
-            ),
-            traceparent,
+        request, options = new_request(
+            model_name, inputs, options, fields, caller="AsyncServer.infer"
         )
+        request = self._traced(request, options.traceparent)
         if request.timeout is None:
             return await self._registry.infer(request, strict_outputs=True)
         with trio.move_on_after(request.timeout):
             # Work that cannot be interrupted (a synchronous execute) may finish late: its
             # result is then cancelled at the next checkpoint, and counted as a failure.
             return await self._registry.infer(request, strict_outputs=True)
-        raise InferenceTimeoutError(f"request for model '{model_name}' timed out after {timeout} s")
+        raise InferenceTimeoutError(
+            f"request for model '{model_name}' timed out after {options.timeout} s"
+        )
 
     def _traced(self, request: InferRequest, traceparent: str | None) -> InferRequest:
         """``request`` as a child of the caller's span (a malformed header is ignored)."""
@@ -207,15 +190,8 @@ class AsyncServer:
         model_name: str,
         inputs: Mapping[str, Any],
         *,
-        model_version: int = -1,
-        outputs: Sequence[str] | None = None,
-        request_id: str | None = None,
-        parameters: Mapping[str, ParameterValue] | None = None,
-        sequence_id: int | str = 0,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        priority: int = 0,
-        traceparent: str | None = None,
+        options: RequestOptions | None = None,
+        **fields: Any,
     ) -> AsyncGenerator[InferResponse, None]:
         """The responses of a decoupled model (zero or many), as the model produces them.
 
@@ -225,21 +201,24 @@ class AsyncServer:
         not decoupled gives its one response. Arguments and errors are those of `infer` (an
         error arrives after the responses sent before it); ``timeout`` is not offered: wrap
         the loop in a trio deadline.
+
+        Raises:
+            InvalidRequestError: also for ``options`` with a ``timeout``.
         """
-        fields = new_request(
+        request, options = new_request(
             model_name,
             inputs,
-            model_version=model_version,
-            outputs=outputs,
-            request_id=request_id,
-            parameters=parameters,
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            priority=priority,
-            timeout=None,
+            options,
+            fields,
+            caller="AsyncServer.stream_infer",
+            refused=("timeout",),
         )
-        request = self._traced(fields, traceparent)
+        if options.timeout is not None:
+            raise InvalidRequestError(
+                "stream_infer takes no timeout (options.timeout): wrap the loop in a trio "
+                "deadline instead"
+            )
+        request = self._traced(request, options.traceparent)
         async with contextlib.aclosing(self._registry.stream_infer(request)) as responses:
             async for response in responses:
                 yield response

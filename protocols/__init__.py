@@ -61,6 +61,8 @@ from ._messages import InferResponse as InferResponse
 from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
 from ._observer import Observer as Observer
+from ._requests import RequestOptions as RequestOptions
+from ._requests import check_field_names as check_field_names
 from ._requests import new_request as new_request
 from ._statistics import FAILURE_REASONS as FAILURE_REASONS
 from ._statistics import CacheStatistics as CacheStatistics

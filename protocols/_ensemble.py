@@ -155,7 +155,16 @@ def validate_ensemble(
     models: Mapping[str, ModelConfig],
     versions: Mapping[str, Iterable[int]] | None = None,
 ) -> list[str]:
-    """Check an ensemble against SPEC §3 and return every problem found (empty when valid).
+    """Check an ensemble's load-time rules and return every problem found (empty when valid).
+
+    The rules: the ensemble sets no ``backend``, ``instance_group``, ``optimization`` or
+    ``model_warmup``, and its ``max_inflight_requests`` is below 2^32; every step names a
+    model of the repository (at a version it has), maps the model's real inputs (every
+    required one) and outputs, and takes batches at least as large as the ensemble's; each
+    tensor is produced once (as an ensemble input or by one step), every ensemble input is
+    consumed, every ensemble output produced and every step output used; data types and
+    shapes agree along each tensor; the ensemble's outputs are reachable from its inputs; and
+    no step, nor the outputs, combines the iterations of two different decoupled producers.
 
     Args:
         config: the ensemble's config.

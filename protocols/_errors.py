@@ -4,11 +4,19 @@ Every error raised on purpose derives from `OrchestrionError`. Each class says w
 it is, so that a front end can map it to a status code (a caller's mistake is a 4xx, ours is
 a 5xx) and so that callers can catch the builtin they already expect (`ValueError`,
 `LookupError`, `TimeoutError`).
+
+`leaf_errors` and `ungrouped` are the one place that looks inside exception groups (what trio's
+nurseries wrap errors in), so that an error can leave a nursery as itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Generic, TypeVar
+
+_T = TypeVar("_T")
 
 
 class OrchestrionError(Exception):
@@ -121,14 +129,65 @@ class ModelControlError(OrchestrionError, RuntimeError):
     """
 
 
+def leaf_errors(error: BaseException) -> list[BaseException]:
+    """The exceptions in ``error``: ``[error]`` when it is no exception group, else those of
+    its (nested) groups, depth first. One leaf means nurseries wrapped a single error.
+
+    The one place that looks inside exception groups: `ungrouped` lets a single error leave a
+    nursery as itself, `os_error_in` finds a bind error, and a caller that merges several
+    errors (the loader's ConfigErrors, say) reads them all from here.
+    """
+    if not isinstance(error, BaseExceptionGroup):
+        return [error]
+    return [leaf for inner in error.exceptions for leaf in leaf_errors(inner)]
+
+
 def os_error_in(error: BaseException) -> OSError | None:
-    """The OSError in ``error`` or in a (nested) exception group, if any: what a server that
-    failed to bind its address raised inside its nurseries."""
-    if isinstance(error, OSError):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = os_error_in(inner)
-            if found is not None:
-                return found
-    return None
+    """The first OSError of `leaf_errors`, if any: what a server that failed to bind its
+    address raised inside its nurseries."""
+    return next((e for e in leaf_errors(error) if isinstance(e, OSError)), None)
+
+
+class _Ungrouped(Generic[_T]):
+    """`ungrouped`'s context manager."""
+
+    def __init__(self, manager: AbstractAsyncContextManager[_T]) -> None:
+        self._manager = manager
+
+    async def __aenter__(self) -> _T:
+        return await self._manager.__aenter__()
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        try:
+            return await self._manager.__aexit__(kind, error, traceback)
+        except BaseExceptionGroup as group:
+            leaves = leaf_errors(group)
+            if len(leaves) != 1:
+                raise
+        # It leaves as if no nursery had held it: raised here, not in the except clause, so
+        # the group does not become its context, and with the context it had (raising it
+        # while the block's cancellation is handled would make that its context).
+        sole = leaves[0]
+        context, suppressed = sole.__context__, sole.__suppress_context__
+        try:
+            raise sole
+        finally:
+            sole.__context__, sole.__suppress_context__ = context, suppressed
+
+
+def ungrouped(manager: AbstractAsyncContextManager[_T]) -> AbstractAsyncContextManager[_T]:
+    """``manager`` (a trio nursery, typically), except that an error leaving it alone in an
+    exception group, or in nested groups of one, leaves as itself; several stay grouped.
+
+    ``async with ungrouped(trio.open_nursery()) as nursery:`` is the nursery of a function
+    or context manager whose callers should see its errors and their own as themselves: a
+    start-up error raised in the block (a port that cannot be bound), the caller's error
+    thrown in at a ``yield``, the one task that failed. A cancellation stays a
+    cancellation. (Pure: it imports nothing from trio, and wraps any async context manager.)
+    """
+    return _Ungrouped(manager)

@@ -1,9 +1,11 @@
 """The gRPC messages of ``inference.GRPCInferenceService`` (tritonclient's generated
 classes), to and from orchestrion's requests and responses. No I/O.
 
-Tensors travel in ``raw_input_contents``/``raw_output_contents`` (the bytes of `_kserve`), or,
-on input, in the typed ``contents`` fields. The documents shared with HTTP (metadata,
-statistics, the repository index) are built once, as JSON, and parsed into the messages.
+How this works: tensors travel in ``raw_input_contents``/``raw_output_contents`` (the bytes of
+`_kserve_tensors`), or, on input, in the typed ``contents`` fields; the request parameters are
+read as HTTP's are (`_kserve_requests`). The documents shared with HTTP (metadata, statistics,
+the repository index) are built once, as JSON (`_kserve_documents`), and parsed into the
+messages.
 """
 
 from __future__ import annotations
@@ -18,22 +20,23 @@ from tritonclient.grpc import service_pb2
 from ._config import ModelConfig
 from ._dtypes import DataType
 from ._errors import InvalidRequestError
-from ._kserve import (
-    WireRequest,
-    data_type,
-    element_count,
+from ._kserve_documents import (
     model_config_message,
     model_metadata,
     model_statistics_json,
-    numeric_array,
-    parse_version,
     repository_index,
-    request_options,
     server_metadata,
+)
+from ._kserve_requests import WireRequest, parse_version, request_parameters
+from ._kserve_tensors import (
+    data_type,
+    element_count,
+    numeric_array,
     tensor_from_bytes,
     tensor_to_bytes,
 )
 from ._messages import InferResponse, ParameterValue
+from ._requests import RequestOptions
 from ._statistics import ModelStatistics
 
 _CONTENTS = {
@@ -84,8 +87,7 @@ def decode_grpc_request(message: Any) -> WireRequest:
         InvalidRequestError: a tensor or a parameter is malformed (its name said).
     """
     parameters = {key: parameter_value(value) for key, value in message.parameters.items()}
-    options = request_options(parameters)
-    options.pop("binary_default", None)
+    fields, flags = request_parameters(parameters)  # binary_data_output is HTTP's: ignored
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
         raise InvalidRequestError(
@@ -116,11 +118,14 @@ def decode_grpc_request(message: Any) -> WireRequest:
             )
     return WireRequest(
         model_name=message.model_name,
-        model_version=parse_version(message.model_version),
         inputs=inputs,
-        outputs=outputs,
-        request_id=message.id,
-        **options,
+        options=RequestOptions(
+            model_version=parse_version(message.model_version),
+            outputs=outputs,
+            request_id=message.id,
+            **fields,
+        ),
+        empty_final_response=flags.get("empty_final_response", False),
     )
 
 

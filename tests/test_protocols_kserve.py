@@ -24,21 +24,15 @@ from orchestrion.protocols import (
     QueueFullError,
     parse_model_config,
 )
-from orchestrion.protocols._kserve import (
-    decode_http_request,
-    encode_http_response,
-    grpc_status,
-    http_status,
-    model_config_json,
-    model_metadata,
-    tensor_from_bytes,
-    tensor_to_bytes,
-)
+from orchestrion.protocols._kserve_documents import model_config_json, model_metadata
 from orchestrion.protocols._kserve_grpc import (
     decode_grpc_request,
     encode_grpc_response,
     serialized_grpc_response,
 )
+from orchestrion.protocols._kserve_http import decode_http_request, encode_http_response
+from orchestrion.protocols._kserve_status import grpc_status, http_status
+from orchestrion.protocols._kserve_tensors import tensor_from_bytes, tensor_to_bytes
 
 NUMERIC = [t for t in DataType if t is not DataType.BYTES]
 
@@ -136,12 +130,13 @@ def test_http_json_and_binary_inputs_decode() -> None:
     )
     assert request.inputs["A"].tolist() == x.tolist()
     assert request.inputs["B"].tolist() == x.tolist()
-    assert request.request_id == "r1"
-    assert request.outputs == ("Y",)
+    options = request.options
+    assert options.request_id == "r1"
+    assert options.outputs == frozenset({"Y"})
     assert request.binary_outputs == {"Y": True}
-    assert (request.sequence_id, request.sequence_start, request.priority) == (9, True, 2)
-    assert request.timeout == pytest.approx(1.5)
-    assert request.parameters == {"custom": "yes"}
+    assert (options.sequence_id, options.sequence_start, options.priority) == (9, True, 2)
+    assert options.timeout == pytest.approx(1.5)
+    assert options.parameters == {"custom": "yes"}
 
 
 @pytest.mark.parametrize(
@@ -278,8 +273,9 @@ def test_grpc_request_and_response_messages() -> None:
         decode_grpc_request(both)
     request = decode_grpc_request(message)
     assert request.inputs["A"].tolist() == [1, -2]
-    assert (request.model_version, request.sequence_id, request.sequence_end) == (2, "abc", True)
-    assert request.parameters == {"flavour": 0.5}
+    options = request.options
+    assert (options.model_version, options.sequence_id, options.sequence_end) == (2, "abc", True)
+    assert options.parameters == {"flavour": 0.5}
     fp16 = service_pb2.ModelInferRequest(model_name="m")
     fp16.inputs.add(name="H", datatype="FP16", shape=[1])
     with pytest.raises(InvalidRequestError, match="only be sent in raw_input_contents"):

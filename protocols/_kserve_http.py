@@ -1,0 +1,302 @@
+"""HTTP infer bodies: Triton's JSON request and response, and its binary tensor extension.
+
+How this works: a request body is a JSON document, optionally followed by raw tensors; the
+``Inference-Header-Content-Length`` header says where the JSON ends, and each binary input says
+its ``binary_data_size``, in order. `decode_http_request` checks all of it and makes a
+`WireRequest`. A response writes each output as JSON ``data`` or, when the client asked
+(``binary_data``, ``binary_data_output``), as raw bytes after the JSON header. Large JSON
+outputs are written block by block so that the GIL is released between blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import DataType
+from ._errors import InvalidRequestError
+from ._kserve_requests import WireRequest, flag, parse_version, request_parameters
+from ._kserve_status import error_message
+from ._kserve_tensors import (
+    data_type,
+    element_count,
+    numeric_array,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from ._messages import InferResponse
+from ._requests import RequestOptions
+
+HEADER_LENGTH = "inference-header-content-length"
+"""Triton's binary tensor extension: the length of the JSON header before the tensors."""
+
+_JSON_NUMBERS = frozenset(
+    {DataType.BF16, DataType.FP16}
+)  # not representable in JSON (Triton: binary data only)
+
+
+def decode_http_request(
+    model_name: str, version: str, body: bytes | memoryview, header_length: int | None
+) -> WireRequest:
+    """An HTTP infer request: a JSON document, then binary tensors when ``header_length``
+    (``Inference-Header-Content-Length``) is given.
+
+    Raises:
+        InvalidRequestError: the body, a tensor or a parameter is malformed (its name said).
+    """
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(view)
+    elif header_length > len(view):
+        raise InvalidRequestError(
+            f"Inference-Header-Content-Length {header_length} is larger than the body "
+            f"({len(view)} bytes)"
+        )
+    try:
+        document = json.loads(bytes(view[:header_length]))
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidRequestError("the request JSON must be an object")
+    binary = view[header_length:]
+    fields, flags = request_parameters(_object(document, "parameters"))
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidRequestError("request 'id' must be a string")
+    inputs_field = document.get("inputs")
+    if not isinstance(inputs_field, list):
+        raise InvalidRequestError("the request JSON needs an 'inputs' array")
+    inputs: dict[str, np.ndarray[Any, Any]] = {}
+    offset = 0
+    for item in inputs_field:
+        if not isinstance(item, dict):
+            raise InvalidRequestError("each element of 'inputs' must be an object")
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequestError("an input has no 'name' string")
+        if name in inputs:
+            raise InvalidRequestError(f"input '{name}' is given twice")
+        dtype = data_type(item.get("datatype"), name)
+        shape = item.get("shape")
+        if not isinstance(shape, list):
+            raise InvalidRequestError(f"input '{name}' has no 'shape' array")
+        size = _object(item, "parameters", where=f"input '{name}'").get("binary_data_size")
+        if size is not None:
+            if "data" in item:
+                raise InvalidRequestError(
+                    f"input '{name}' has both 'data' and binary data (binary_data_size): "
+                    "send its values one way"
+                )
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise InvalidRequestError(
+                    f"input '{name}': binary_data_size must be a non-negative integer"
+                )
+            if offset + size > len(binary):
+                raise InvalidRequestError(
+                    f"input '{name}': binary_data_size {size} runs past the end of the body "
+                    f"({len(binary) - offset} bytes left)"
+                )
+            inputs[name] = tensor_from_bytes(binary[offset : offset + size], dtype, shape, name)
+            offset += size
+        elif "data" in item:
+            inputs[name] = _json_tensor(item["data"], dtype, shape, name)
+        else:
+            raise InvalidRequestError(f"input '{name}' has neither 'data' nor binary data")
+    if offset != len(binary):
+        raise InvalidRequestError(
+            f"{len(binary) - offset} bytes of binary data follow the tensors the header names"
+        )
+    outputs, binary_outputs = _requested_outputs(document.get("outputs"))
+    return WireRequest(
+        model_name=model_name,
+        inputs=inputs,
+        options=RequestOptions(
+            model_version=parse_version(version), outputs=outputs, request_id=request_id, **fields
+        ),
+        binary_outputs=binary_outputs,
+        **flags,
+    )
+
+
+def _object(document: Mapping[str, Any], key: str, *, where: str = "request") -> dict[str, Any]:
+    value = document.get(key, {})
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where}: '{key}' must be an object")
+    return value
+
+
+def _requested_outputs(
+    field: object,
+) -> tuple[tuple[str, ...] | None, dict[str, bool]]:
+    if field is None:
+        return None, {}
+    if not isinstance(field, list):
+        raise InvalidRequestError("'outputs' must be an array")
+    names: list[str] = []
+    binary: dict[str, bool] = {}
+    for item in field:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidRequestError("each requested output needs a 'name' string")
+        name = item["name"]
+        parameters = _object(item, "parameters", where=f"output '{name}'")
+        if "classification" in parameters:
+            raise InvalidRequestError(
+                f"output '{name}': the classification extension is not supported"
+            )
+        if any(key.startswith("shared_memory") for key in parameters):
+            raise InvalidRequestError(f"output '{name}': shared memory is not supported")
+        if "binary_data" in parameters:
+            binary[name] = flag("binary_data", parameters["binary_data"], f"output '{name}'")
+        names.append(name)
+    return tuple(names), binary
+
+
+def _json_tensor(
+    data: object, dtype: DataType, shape: list[Any], name: str
+) -> np.ndarray[Any, Any]:
+    count = element_count(shape, name)
+    if dtype in _JSON_NUMBERS:
+        raise InvalidRequestError(
+            f"input '{name}': {dtype.value} tensors can only be sent as binary data"
+        )
+    flat = _flatten(data, name)
+    if len(flat) != count:
+        raise InvalidRequestError(
+            f"unexpected number of elements {len(flat)} for input '{name}' of shape {shape}, "
+            f"expecting {count}"
+        )
+    if dtype is DataType.BYTES:
+        array = np.empty(count, dtype=object)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise InvalidRequestError(f"input '{name}': BYTES elements must be strings")
+            try:
+                array[i] = item.encode()
+            except UnicodeEncodeError:  # a lone surrogate, which JSON text can carry
+                raise InvalidRequestError(
+                    f"input '{name}': element {i} is not valid Unicode (a lone surrogate); "
+                    "send such bytes as binary data"
+                ) from None
+        return array.reshape(tuple(shape))
+    if dtype is DataType.BOOL:
+        if not all(isinstance(item, bool) for item in flat):
+            raise InvalidRequestError(f"input '{name}': BOOL elements must be true or false")
+    elif any(isinstance(item, bool) or not isinstance(item, int | float) for item in flat):
+        raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be numbers")
+    elif dtype.numpy_dtype.kind in "iu" and not all(isinstance(item, int) for item in flat):
+        raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be integers")
+    return numeric_array(flat, dtype, shape, name)
+
+
+def _flatten(data: object, name: str) -> list[Any]:
+    """Triton accepts tensor data flat or nested row-major."""
+    if not isinstance(data, list):
+        raise InvalidRequestError(f"input '{name}': 'data' must be an array")
+    if not any(isinstance(item, list) for item in data):
+        return data
+    flat: list[Any] = []
+    stack: list[Any] = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
+
+
+def encode_http_response(
+    response: InferResponse, request: WireRequest
+) -> tuple[list[bytes | memoryview], int | None]:
+    """The body of an HTTP infer response: its chunks, and the JSON header's length when
+    binary tensors follow it (the ``Inference-Header-Content-Length`` header).
+
+    Raises:
+        InvalidRequestError: an output cannot be written as JSON (BYTES that are not UTF-8, FP16
+            and BF16: the client must ask for binary data).
+    """
+    outputs: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    large: list[bytes] = []
+    nonce = secrets.token_hex(16) + ":"
+    for name, array in response.outputs.items():
+        dtype = DataType.from_numpy(array.dtype)
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": dtype.value,
+            "shape": list(array.shape),
+        }
+        if request.binary_outputs.get(name, request.binary_default):
+            raw = tensor_to_bytes(array)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        elif array.size > _JSON_BLOCK:
+            # Written apart, block by block, and spliced in below: one json.dumps of millions
+            # of numbers would hold the GIL (so the event loop) for a second or more.
+            entry["data"] = f"{nonce}{len(large)}"  # unguessable: no client string can match
+            large.append(_json_data_text(array, dtype, name))
+        else:
+            entry["data"] = _json_data(array, dtype, name)
+        outputs.append(entry)
+    document: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": str(response.model_version),
+    }
+    if response.request_id:
+        document["id"] = response.request_id
+    if response.parameters:
+        document["parameters"] = dict(response.parameters)  # the sequence ones among them
+    document["outputs"] = outputs
+    header = json.dumps(document, separators=(",", ":")).encode()
+    for index, text in enumerate(large):
+        header = header.replace(f'"{nonce}{index}"'.encode(), text, 1)
+    return [header, *chunks], (len(header) if chunks else None)
+
+
+_JSON_BLOCK = 1 << 16
+"""Elements of an output written as JSON in one call (a few milliseconds holding the GIL)."""
+
+
+def _json_data_text(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> bytes:
+    """A large output's JSON ``data`` array as text, written one block of elements at a
+    time (between blocks, other threads get the GIL)."""
+    flat = array.reshape(-1)
+    parts = [
+        json.dumps(_json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":"))[
+            1:-1
+        ]
+        for at in range(0, flat.size, _JSON_BLOCK)
+    ]
+    return ("[" + ",".join(p for p in parts if p) + "]").encode()
+
+
+def _json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[Any]:
+    if dtype in _JSON_NUMBERS:
+        raise InvalidRequestError(
+            f"output '{name}' is {dtype.value}, which JSON cannot carry: request it as binary data"
+        )
+    if dtype is DataType.BYTES:
+        try:
+            return [
+                item.decode() if isinstance(item, bytes) else str(item)
+                for item in array.reshape(-1)
+            ]
+        except UnicodeDecodeError:
+            raise InvalidRequestError(
+                f"output '{name}' holds bytes that are not UTF-8: request it as binary data"
+            ) from None
+    data: list[Any] = array.reshape(-1).tolist()  # NaN and infinity as JSON's NaN/Infinity
+    return data
+
+
+def error_body(error: BaseException) -> bytes:
+    """Triton's JSON error body: ``{"error": "<message>"}``."""
+    return json.dumps({"error": error_message(error)}).encode()

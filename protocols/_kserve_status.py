@@ -1,0 +1,53 @@
+"""What a failed request tells its client: Triton's HTTP status and gRPC status code for each
+error, and the message shown.
+
+How this works: every orchestrion error maps to one HTTP status the way Triton's do (404 for an
+unknown model, 400 for a bad request, 503 when busy or closing, 500 when the pipeline failed);
+the gRPC code is derived from that status, so the two front ends never disagree. Errors that
+are not orchestrion's own are shown as unexpected, with their type.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    ConfigError,
+    InferenceTimeoutError,
+    InvalidRequestError,
+    ModelControlError,
+    ModelLoadError,
+    ModelNotFoundError,
+    OrchestrionError,
+    QueueFullError,
+    ServerClosedError,
+)
+
+
+def http_status(error: BaseException) -> int:
+    """Triton's HTTP status for an error: 404 unknown model, 400 bad request, 503 busy or
+    closing, 500 the pipeline failed."""
+    if isinstance(error, ModelNotFoundError):
+        return 404
+    if isinstance(error, InvalidRequestError | ConfigError | ModelLoadError):
+        return 400
+    if isinstance(
+        error, QueueFullError | ServerClosedError | InferenceTimeoutError | ModelControlError
+    ):
+        return 503
+    return 500
+
+
+def grpc_status(error: BaseException) -> str:
+    """The gRPC status code name (``grpc.StatusCode`` member) Triton uses for an error."""
+    return {
+        404: "NOT_FOUND",
+        400: "INVALID_ARGUMENT",
+        503: "UNAVAILABLE",
+        500: "INTERNAL",
+    }[http_status(error)]
+
+
+def error_message(error: BaseException) -> str:
+    """What the client is shown: our own errors as written, anything else as unexpected."""
+    if isinstance(error, OrchestrionError):
+        return str(error)
+    return f"internal error: {type(error).__name__}: {error}"
