@@ -11,6 +11,7 @@ failure on the first request.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import secrets
 from collections.abc import Callable
@@ -21,6 +22,22 @@ import attrs
 from ..backends import model_problems
 from ..protocols import ModelConfig
 from ._instances import ExecutionMode
+
+
+class FusionMode(enum.StrEnum):
+    """An ensemble's ``fusion`` parameter (see the module)."""
+
+    ON = "on"
+    """The steps' own executables, one after another (the default)."""
+    XLA = "xla"
+    """The steps traced into one ``jax.jit`` function."""
+    OFF = "off"
+    """The scheduler for every request."""
+
+
+def fusion_mode(config: ModelConfig) -> FusionMode:
+    """An ensemble's ``fusion`` parameter (checked by `check_model` at load)."""
+    return FusionMode(config.parameters.get("fusion", FusionMode.ON))
 
 
 @attrs.define(eq=False)
@@ -88,6 +105,12 @@ def check_model(model: Model) -> list[str]:
     if config.is_ensemble:
         if model.execute is not None or model.initialize is not None:
             return [f"{where}: an ensemble has no execute or initialize"]
+        fusion = config.parameters.get("fusion", FusionMode.ON)
+        if fusion not in tuple(FusionMode):
+            return [
+                f"{in_config}: parameter 'fusion' must be one of "
+                f"{', '.join(m.value for m in FusionMode)}, got '{fusion}'"
+            ]
         return []
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]

@@ -30,8 +30,9 @@ import numpy as np
 import trio
 
 from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, Tensors
+from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
-from ._fusion import Fusion
+from ._fusion import Fusion, SignatureState
 from ._runner import ModelRunner, batch_size
 
 
@@ -65,15 +66,15 @@ class FusionGate:
     _outputs: frozenset[str] = attrs.field(init=False)
     _generation: int = -1
     """The registry's generation when `fusion` was last checked (or found impossible)."""
-    _mode: str = attrs.field(init=False, default="on")
+    _mode: FusionMode = attrs.field(init=False, default=FusionMode.ON)
     _epoch: Epoch | None = None
     """The requests of this ensemble on the scheduler's path that later ones may wait for."""
 
     def __attrs_post_init__(self) -> None:
         self._outputs = frozenset(self.scheduler.graph.outputs)
-        self._mode = self.config.parameters.get("fusion", "on")
+        self._mode = fusion_mode(self.config)
         self.may_fuse = (
-            self._mode in ("on", "xla")
+            self._mode is not FusionMode.OFF
             and not self.observed
             and all(t.reshape is None for t in self.config.input)
             and all(t.reshape is None for t in self.config.output)
@@ -187,7 +188,7 @@ class FusionGate:
         """Prepare a new signature of the current fusion in a task of the ensemble's own;
         the requests meanwhile take the scheduler's path."""
         fusion, nursery = self.fusion, self.nursery
-        if fusion is None or nursery is None or fusion.state(signature) != "new":
+        if fusion is None or nursery is None or fusion.state(signature) is not SignatureState.NEW:
             return
         fusion.compiling(signature)
         try:

@@ -36,6 +36,7 @@ requests that arrive in one scheduling pass are gathered into one fused call (`g
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,7 @@ import trio
 
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
+from ._definition import FusionMode
 from ._instances import THREAD_ABOVE_NS
 from ._runner import ModelRunner
 from ._watchdog import LoopHolder, loop_holder
@@ -55,6 +57,16 @@ from ._watchdog import LoopHolder, loop_holder
 _log = logging.getLogger("orchestrion")
 
 Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+class SignatureState(enum.StrEnum):
+    """Where a fusion (mode "xla") stands with one input signature."""
+
+    NEW = "new"
+    COMPILING = "compiling"
+    READY = "ready"
+    REFUSED = "refused"
+    """It cannot be fused (a step's outputs break its config, or tracing failed)."""
 
 
 def fusable(runner: object, max_batch_size: int) -> bool:
@@ -148,7 +160,7 @@ class Fusion:
     order: tuple[StepPlan, ...]
     runners: tuple[ModelRunner, ...]
     outputs: tuple[str, ...]
-    mode: str = "on"
+    mode: FusionMode = FusionMode.ON
     """"on": the steps' own executables one after another; "xla": one traced function."""
     _call: Callable[..., Any] | None = attrs.field(init=False, default=None)
     """Mode "xla": the steps traced into one jitted function."""
@@ -194,7 +206,7 @@ class Fusion:
             self._pads = tuple(sorted(set.intersection(*sizes)))
         self._params = tuple(r.instances[0].loaded.params for r in self.runners)
         self._traceables = tuple(r.backend.traceable() for r in self.runners)
-        if self.mode == "xla":
+        if self.mode is FusionMode.XLA:
             self._call = jax.jit(self._traced)
 
     def holds_loop_as(self, where: str) -> str:
@@ -237,13 +249,15 @@ class Fusion:
         """The input names, shapes and dtypes a compilation is for."""
         return tuple(sorted((n, v.shape, v.dtype.str) for n, v in inputs.items()))
 
-    def state(self, signature: Signature) -> str:
-        """ "ready", "refused", "compiling", or "new" (mode "xla")."""
+    def state(self, signature: Signature) -> SignatureState:
+        """Where this fusion stands with ``signature`` (mode "xla")."""
         if signature in self._ready:
-            return "ready"
+            return SignatureState.READY
         if signature in self._refused:
-            return "refused"
-        return "compiling" if signature in self._compiling else "new"
+            return SignatureState.REFUSED
+        if signature in self._compiling:
+            return SignatureState.COMPILING
+        return SignatureState.NEW
 
     def compiling(self, signature: Signature, preparing: bool = True) -> None:
         """Mark ``signature`` as being prepared (before `prepare` is started), or, with
@@ -269,7 +283,7 @@ class Fusion:
                 ):
                     resized = {n: np.repeat(v[:1], size, axis=0) for n, v in inputs.items()}
                     other = self.signature(resized)
-                    if other != signature and self.state(other) == "new":
+                    if other != signature and self.state(other) is SignatureState.NEW:
                         ready = await trio.to_thread.run_sync(self._check_and_compile, resized)
                         (self._ready if ready else self._refused).add(other)
         finally:
@@ -316,13 +330,13 @@ class Fusion:
         (a step raised, broke its config, or has not compiled these shapes; mode "xla": the
         signature is not ready, and ``compile_later`` starts preparing a new one). ``rows``:
         the rows of each request in ``inputs`` (one request: its batch size)."""
-        if self.mode == "on":
+        if self.mode is FusionMode.ON:
             return self._run_steps(inputs, rows)
         signature = self.signature(inputs)
         state = self.state(signature)
-        if state == "new":
+        if state is SignatureState.NEW:
             compile_later(signature, inputs)
-        return self._run_graph(signature, inputs, rows) if state == "ready" else None
+        return self._run_graph(signature, inputs, rows) if state is SignatureState.READY else None
 
     def _run_graph(
         self, signature: Signature, inputs: Tensors, rows: Sequence[int]
@@ -486,7 +500,7 @@ class Fusion:
     ) -> None:
         rows = [w.rows for w in batch]
         total = sum(rows)
-        if self.mode == "on":  # a size every step compiled at load, or none
+        if self.mode is FusionMode.ON:  # a size every step compiled at load, or none
             size = next((s for s in self._pads if s >= total), total)
         else:
             size = _bucket(total, self.max_batch)

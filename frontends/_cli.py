@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -12,6 +13,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -31,23 +33,41 @@ from ..protocols import (
     parse_cache_config,
     validate_repository,
 )
+from ..protocols._errors import ungrouped
+from ._control import ModelControlMode, Shutdown
 from ._examples import Example, load_example
-from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE
-from ._serve import Endpoints, ServeOptions, serve
+from ._http_server import MAX_DEFAULT_CONNECTIONS
+from ._serve import LOOPBACK, Endpoints, ServeOptions, serve
 
-DEFAULT_CACHE = "local,size=268435456"
-"""The embedded default of `orchestrion run`: a 256 MiB local cache."""
+DEFAULT_CACHE = ("local,size=268435456",)
+"""The embedded default of `orchestrion run`: a 256 MiB local cache (`serve`'s is
+`ServeOptions`': none, as Triton)."""
 
 
-def _server_options(command: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
-    """The cache and telemetry flags `run` and `serve` share."""
+def _default(field: str) -> Any:
+    """`ServeOptions`' default for ``field``: the ``orchestrion serve`` flags have none of
+    their own."""
+    return attrs.fields_dict(ServeOptions)[field].default
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def _server_options(
+    command: argparse.ArgumentParser,
+    *,
+    default_cache: Sequence[str],
+    default_metrics_port: int | None,
+) -> None:
+    """The cache and telemetry flags `run` and `serve` share, with the command's defaults."""
     cache = command.add_argument_group("response cache (models opt in with response_cache)")
     cache.add_argument(
         "--cache-config",
         action="append",
         metavar="NAME,KEY=VALUE",
         help=f"Triton's flag, repeatable: local,size=BYTES or redis,host=H ... "
-        f"(default: {DEFAULT_CACHE})",
+        f"(default: {' '.join(default_cache) or 'no cache'})",
     )
     cache.add_argument(
         "--response-cache-byte-size",
@@ -92,60 +112,79 @@ def _flag(text: str) -> bool:
 
 
 def _serve_options(serve: argparse.ArgumentParser) -> None:
-    """Triton's ``tritonserver`` flags, with its defaults (but loopback addresses)."""
+    """Triton's ``tritonserver`` flags, with `ServeOptions`' defaults (Triton's, but
+    loopback addresses)."""
     serve.add_argument("--model-repository", required=True, type=Path)
     network = serve.add_argument_group("network (binds loopback unless told otherwise)")
     network.add_argument(
-        "--host", default="127.0.0.1", metavar="ADDRESS", help="address of every endpoint"
+        "--host", default=LOOPBACK, metavar="ADDRESS", help="address of every endpoint"
     )
-    for name, port in (("http", 8000), ("grpc", 8001)):
+    for name in ("http", "grpc"):
+        port = _default(f"{name}_port")
         network.add_argument(f"--{name}-port", type=int, default=port, metavar="PORT")
         network.add_argument(f"--{name}-address", metavar="ADDRESS", help="overrides --host")
         network.add_argument(
-            f"--allow-{name}", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+            f"--allow-{name}",
+            type=_flag,
+            nargs="?",
+            const=True,
+            default=port is not None,
+            metavar="BOOL",
         )
     network.add_argument(
-        "--allow-metrics", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+        "--allow-metrics",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=_default("metrics_port") is not None,
+        metavar="BOOL",
     )
+    max_input = _default("http_max_input_size")
     network.add_argument(
         "--http-max-input-size",
         type=int,
-        default=64 * 1024 * 1024,
+        default=max_input,
         metavar="BYTES",
-        help="largest HTTP request body accepted (default: 64 MiB, as Triton)",
+        help=f"largest HTTP request body accepted (default: {_mib(max_input)}, as Triton)",
     )
     network.add_argument(
         "--http-max-connections",
         type=int,
+        default=_default("http_max_connections"),
         metavar="N",
         help="HTTP connections served at once; more get 503 (default: half the open-file "
-        "limit, at most 4096)",
+        f"limit, at most {MAX_DEFAULT_CONNECTIONS})",
     )
+    header_timeout = _default("http_header_timeout")
     network.add_argument(
         "--http-header-timeout",
         type=float,
-        default=60.0,
+        default=header_timeout,
         metavar="SECONDS",
-        help="time a request head may take to arrive (408 beyond; default: 60)",
+        help=f"time a request head may take to arrive (408 beyond; default: {header_timeout:g})",
     )
+    body_timeout = _default("http_body_timeout")
     network.add_argument(
         "--http-body-timeout",
         type=float,
-        default=60.0,
+        default=body_timeout,
         metavar="SECONDS",
-        help="time a request body may go without progress (408 beyond; default: 60)",
+        help=f"time a request body may go without progress (408 beyond; default: {body_timeout:g})",
     )
+    max_message = _default("grpc_max_message_size")
     network.add_argument(
         "--grpc-max-message-size",
         type=int,
-        default=DEFAULT_MAX_MESSAGE_SIZE,
+        default=max_message,
         metavar="BYTES",
-        help="largest gRPC message accepted or sent (default: 256 MiB; Triton's is 2 GiB - 1: "
-        "a request costs 6-7x its size in memory at its peak)",
+        help=f"largest gRPC message accepted or sent (default: {_mib(max_message)}; Triton's "
+        "is 2 GiB - 1: a request costs 6-7x its size in memory at its peak)",
     )
     models = serve.add_argument_group("models")
     models.add_argument(
-        "--model-control-mode", choices=("none", "explicit", "poll"), default="none"
+        "--model-control-mode",
+        choices=[mode.value for mode in ModelControlMode],
+        default=_default("model_control_mode"),
     )
     models.add_argument(
         "--load-model",
@@ -154,21 +193,35 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="explicit mode: a model to load at start (repeatable; * for all)",
     )
-    models.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
     models.add_argument(
-        "--strict-readiness", type=_flag, nargs="?", const=True, default=True, metavar="BOOL"
+        "--repository-poll-secs",
+        type=float,
+        default=_default("poll_interval"),
+        metavar="SECONDS",
+    )
+    models.add_argument(
+        "--strict-readiness",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=_default("strict_readiness"),
+        metavar="BOOL",
     )
     models.add_argument(
         "--exit-timeout-secs",
         type=float,
-        default=30.0,
+        default=_default("exit_timeout"),
         metavar="SECONDS",
         help="on SIGINT/SIGTERM, how long requests in flight may take to finish",
     )
     serve.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="> 0: debug logging"
     )
-    _server_options(serve, default_metrics_port=8002)
+    _server_options(
+        serve,
+        default_cache=_default("cache_config"),
+        default_metrics_port=_default("metrics_port"),
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
     run.add_argument("--seed", type=int, default=0, help="seed of the input generator")
-    _server_options(run, default_metrics_port=None)
+    _server_options(run, default_cache=DEFAULT_CACHE, default_metrics_port=None)
     run.add_argument(
         "--linger",
         type=float,
@@ -220,28 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _RunOptions(
             cache=_cache_flags(args, console),
             metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host or "127.0.0.1",
+            metrics_host=args.metrics_host or LOOPBACK,
             tracing=args.trace_config,
             linger=args.linger,
         )
         return trio.run(_run, example, requests, concurrency, args.seed, options, console)
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
+        # Start-up errors leave `run` and `serve` as themselves (their nurseries are
+        # `ungrouped`): one clear line each.
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
-    except BaseExceptionGroup as group:
-        # The nursery of `serve` or `run` wraps a start-up error: the same clear message.
-        sole = _sole(group)
-        if not isinstance(sole, ConfigError | ModelLoadError | CacheUnavailableError):
-            raise
-        console.print(f"[red]error:[/red] {sole}", highlight=False, soft_wrap=True)
-        return 2
-
-
-def _sole(error: BaseException) -> BaseException:
-    """The one exception inside nested groups of one (or the group itself)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
@@ -254,9 +295,9 @@ def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         grpc_port=args.grpc_port if args.allow_grpc else None,
         metrics_address=args.metrics_host or host,
         metrics_port=args.metrics_port if args.allow_metrics else None,
-        cache_config=_cache_flags(args, console, default=None),
+        cache_config=_cache_flags(args, console, default=_default("cache_config")),
         tracing=args.trace_config,
-        model_control_mode=args.model_control_mode,
+        model_control_mode=ModelControlMode(args.model_control_mode),
         load_models=tuple(args.load_model),
         strict_readiness=args.strict_readiness,
         exit_timeout=args.exit_timeout_secs,
@@ -270,9 +311,10 @@ def _serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
 
 
 def _cache_flags(
-    args: argparse.Namespace, console: Console, default: str | None = DEFAULT_CACHE
+    args: argparse.Namespace, console: Console, default: Sequence[str] = DEFAULT_CACHE
 ) -> list[str]:
-    """The ``--cache-config`` values to run with (checked here, so errors come first).
+    """The ``--cache-config`` values to run with (checked here, so errors come first);
+    ``default`` without cache flags (empty: no cache).
 
     Raises:
         ConfigError: malformed flags, or flags that contradict each other.
@@ -283,9 +325,9 @@ def _cache_flags(
             raise ConfigError("--no-cache cannot be combined with a cache flag")
         return []
     if not flags and args.response_cache_byte_size is None:
-        if default is None:
+        if not default:
             return []  # serve, as Triton: no cache unless asked for
-        flags = [default]
+        flags = list(default)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
         settings = parse_cache_config(flags, response_cache_byte_size=args.response_cache_byte_size)
@@ -385,40 +427,41 @@ async def _serve(options: ServeOptions, log_verbose: int, console: Console) -> i
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     started = time.perf_counter()
-    stop = trio.Event()
-
-    def report(endpoints: Endpoints) -> None:
-        # Triton's start-up lines, which scripts wait for.
-        if endpoints.grpc:
-            console.print(f"Started GRPCInferenceService at {endpoints.grpc}", highlight=False)
-        if endpoints.http:
-            console.print(f"Started HTTPService at {endpoints.http}", highlight=False)
-        if endpoints.metrics:
-            console.print(f"Started Metrics Service at {endpoints.metrics}", highlight=False)
-        console.print(
-            f"ready in {time.perf_counter() - started:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop",
-            highlight=False,
-        )
-        console.file.flush()  # scripts wait for these lines, also through a pipe
-
-    async with trio.open_nursery() as nursery:
-
-        async def wait_for_signal() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for number in signals:
-                    console.print(
-                        f"{signal.Signals(number).name}: stopping (requests in flight get "
-                        f"{options.exit_timeout:g} s)",
-                        highlight=False,
-                    )
-                    stop.set()
-                    break
-
-        nursery.start_soon(wait_for_signal)
-        await serve(options, stop, on_started=report)
-        nursery.cancel_scope.cancel()
+    shutdown = Shutdown()
+    async with ungrouped(trio.open_nursery()) as nursery:
+        # Listening from the start: a signal while the models load stops them gracefully
+        # once loaded. The first signal ends this task; `serve` returns only after it.
+        nursery.start_soon(_shut_down_on_signal, shutdown, options.exit_timeout, console)
+        endpoints = await nursery.start(functools.partial(serve, options, shutdown=shutdown))
+        _report_started(endpoints, time.perf_counter() - started, console)
     console.print("stopped")
     return 0
+
+
+async def _shut_down_on_signal(shutdown: Shutdown, exit_timeout: float, console: Console) -> None:
+    """Request ``shutdown`` at the first SIGINT or SIGTERM. A second one then has its usual
+    effect (a KeyboardInterrupt, or the end of the process)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for number in signals:
+            console.print(
+                f"{signal.Signals(number).name}: stopping (requests in flight get "
+                f"{exit_timeout:g} s)",
+                highlight=False,
+            )
+            shutdown.request()
+            break
+
+
+def _report_started(endpoints: Endpoints, seconds: float, console: Console) -> None:
+    """Triton's start-up lines, which scripts wait for."""
+    if endpoints.grpc:
+        console.print(f"Started GRPCInferenceService at {endpoints.grpc}", highlight=False)
+    if endpoints.http:
+        console.print(f"Started HTTPService at {endpoints.http}", highlight=False)
+    if endpoints.metrics:
+        console.print(f"Started Metrics Service at {endpoints.metrics}", highlight=False)
+    console.print(f"ready in {seconds:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop", highlight=False)
+    console.file.flush()  # scripts wait for these lines, also through a pipe
 
 
 async def _drive(

@@ -1,4 +1,5 @@
-"""Model control for the network front ends: Triton's ``--model-control-mode``.
+"""Model control for the network front ends (Triton's ``--model-control-mode``), and their
+graceful stop (`Shutdown`).
 
 ``none``: the whole repository is loaded at start and the load/unload API is refused.
 ``explicit``: only ``--load-model`` names (``*`` for all) are loaded at start; the API loads and
@@ -6,12 +7,18 @@ unloads. ``poll``: the whole repository at start, then every ``poll_interval`` s
 changed model folder is reloaded, a new one loaded and a removed one unloaded; the API is
 refused. Readiness (``/v2/health/ready``) is false while the server stops, and, with strict
 readiness, while a model that should be loaded is not.
+
+A `Shutdown` passed to `serve` and to the front ends stops them gracefully when requested: each
+stops taking new work at once, gives the work in flight its exit timeout, and returns.
+Cancelling them instead stops them at once, as trio's ``serve_listeners``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -28,7 +35,68 @@ from ..protocols import (
 
 _log = logging.getLogger("orchestrion")
 
-MODES = ("none", "explicit", "poll")
+DEFAULT_EXIT_TIMEOUT = 30.0
+"""Triton's ``--exit-timeout-secs`` default: how long a graceful stop lets work in flight
+finish (seconds)."""
+
+
+class ModelControlMode(enum.StrEnum):
+    """Triton's ``--model-control-mode`` (see the module docstring); a `str`, so
+    ``mode == "poll"`` holds for `POLL`."""
+
+    NONE = "none"
+    EXPLICIT = "explicit"
+    POLL = "poll"
+
+
+def _control_mode(value: str) -> ModelControlMode:
+    try:
+        return ModelControlMode(value)
+    except ValueError:
+        raise ValueError(
+            f"model control mode must be one of {', '.join(ModelControlMode)}"
+        ) from None
+
+
+@attrs.define(eq=False)
+class Shutdown:
+    """A graceful stop, asked for from outside the servers it is passed to (`serve`,
+    `serve_http_api`, `serve_grpc_api`): `request` (a signal handler calls it) begins it.
+
+    Use it on the trio thread. Without one, or until it is requested, those servers run
+    until cancelled, and cancelling them stops them at once.
+    """
+
+    _requested: bool = attrs.field(default=False, init=False)
+    _actions: list[Callable[[], None]] = attrs.field(factory=list, init=False)
+
+    @property
+    def requested(self) -> bool:
+        """Whether `request` has been called."""
+        return self._requested
+
+    def request(self) -> None:
+        """Begin the graceful stop of every server this was passed to (later calls do
+        nothing): the actions of the open `on_request` blocks run now, in order."""
+        if self._requested:
+            return
+        self._requested = True
+        for action in list(self._actions):
+            action()
+
+    @contextlib.contextmanager
+    def on_request(self, action: Callable[[], None]) -> Iterator[None]:
+        """Within the block, ``action`` (which begins a server's graceful stop, without
+        waiting) runs when the stop is requested, or on entry if it has been already."""
+        if self._requested:
+            action()
+            yield
+            return
+        self._actions.append(action)
+        try:
+            yield
+        finally:
+            self._actions.remove(action)
 
 
 @attrs.define(eq=False)
@@ -36,15 +104,13 @@ class ModelControl:
     """Loads, unloads and reports the models of a served repository."""
 
     server: AsyncServer
-    mode: str = "none"
+    mode: ModelControlMode = attrs.field(default=ModelControlMode.NONE, converter=_control_mode)
     strict_readiness: bool = True
     _expected: set[str] = attrs.field(factory=set, init=False)
     """Models that should be serving (for strict readiness)."""
     _accepting: bool = attrs.field(default=True, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
         self._expected = set(self.server.model_names())
 
     def ready(self) -> bool:
@@ -65,7 +131,7 @@ class ModelControl:
         return [folder.name for folder in model_folders(root)] if root is not None else []
 
     def _check_allowed(self, what: str) -> None:
-        if self.mode != "explicit":
+        if self.mode is not ModelControlMode.EXPLICIT:
             raise ModelControlError(
                 f"explicit model {what} is not allowed in model control mode '{self.mode}' "
                 "(start the server with --model-control-mode=explicit)"

@@ -31,7 +31,7 @@ from ..protocols import (
     OrchestrionError,
     os_error_in,
 )
-from ..protocols._kserve import error_message, grpc_status, parse_version
+from ..protocols._errors import ungrouped
 from ..protocols._kserve_grpc import (
     declared_size,
     decode_grpc_request,
@@ -43,7 +43,9 @@ from ..protocols._kserve_grpc import (
     serialized_grpc_response,
     server_metadata_message,
 )
-from ._control import ModelControl
+from ..protocols._kserve_requests import parse_version
+from ..protocols._kserve_status import error_message, grpc_status
+from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_bridge import TrioBridge, call_sync
 from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
 from ._offload import off_loop
@@ -196,8 +198,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         response = await self.server.infer(
             wire.model_name,
             wire.inputs,
-            **wire.infer_arguments(),
-            timeout=wire.timeout,
+            options=wire.options,
             traceparent=traceparent,
         )
         size = sum(int(a.nbytes) for a in response.outputs.values())
@@ -283,31 +284,34 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
                 await asyncio.gather(reader, session, return_exceptions=True)
 
 
-@contextlib.asynccontextmanager
-async def open_grpc_api(
+async def serve_grpc_api(
     server: AsyncServer,
     control: ModelControl,
     version: str,
-    host: str = "127.0.0.1",
-    port: int = 8001,
+    host: str,
+    port: int,
     *,
-    exit_timeout: float = 30.0,
+    shutdown: Shutdown | None = None,
+    exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-) -> AsyncIterator[tuple[str, Callable[[], None]]]:
-    """Serve ``inference.GRPCInferenceService`` for the duration of the block.
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
+    ``shutdown`` is requested; reports the address it listens on through ``task_status``.
 
-    Yields the address it listens on (``port=0`` picks a free one) and a function that
-    starts a graceful stop: no new RPCs, those in flight get up to ``exit_timeout`` seconds.
+    ``address = await nursery.start(serve_grpc_api, server, control, version, host, port)``:
+    ``port=0`` picks a free port (``address`` says which). Cancelling stops it at once (RPCs
+    in flight are cut off). Requesting ``shutdown`` stops it gracefully, then it returns: no
+    new RPCs, open streams refuse what they read next, RPCs in flight get up to
+    ``exit_timeout`` seconds.
 
     Raises:
-        ConfigError: the address cannot be bound.
+        ConfigError: the address cannot be bound (before it reports).
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"gRPC port {port} is not a TCP port (0-65535; 0: any free port)")
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bind_error: OSError | None = None
-    error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
+    async with ungrouped(trio.open_nursery()) as nursery:
         bridge = TrioBridge(trio.lowlevel.current_trio_token(), nursery)
         service = InferenceService(server, control, bridge, version)
         loop_thread = _LoopThread(service, address, max_message_size)
@@ -317,23 +321,19 @@ async def open_grpc_api(
             bind_error = os_error_in(exc)
             if bind_error is None:
                 raise
-        else:
+            raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
 
-            def stop() -> None:
-                service.stop_streams()
-                loop_thread.stop(exit_timeout)
+        def stop() -> None:
+            service.stop_streams()
+            loop_thread.stop(exit_timeout)
 
+        with (shutdown or Shutdown()).on_request(stop):
+            task_status.started(f"{host}:{bound}")
             try:
-                yield f"{host}:{bound}", stop
-            except BaseException as exc:  # the caller's: leaves as itself, after a quick stop
-                error = exc
+                await loop_thread.ended.wait()  # a graceful stop has run its course
+            except BaseException:  # cancelled: RPCs in flight are cut off now
                 loop_thread.stop(0.0)
-            else:
-                stop()
-    if error is not None:
-        raise error
-    if bind_error is not None:
-        raise ConfigError(f"cannot serve gRPC on {host}:{port}: {bind_error}") from None
+                raise
 
 
 def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -398,8 +398,10 @@ class _LoopThread:
     _loop: asyncio.AbstractEventLoop | None = None
     _stop: asyncio.Event | None = None
     _grace: float = 0.0
+    ended: trio.Event = attrs.field(factory=trio.Event, init=False)
+    """Set when the thread has ended (after `stop`, or an error)."""
 
-    async def run(self, task_status: trio.TaskStatus[int]) -> None:
+    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the loop in a thread until `stop`; reports the bound port when serving."""
         token = trio.lowlevel.current_trio_token()
 
@@ -409,7 +411,10 @@ class _LoopThread:
         def main() -> None:
             asyncio.run(self._serve(lambda port: token.run_sync_soon(started, port)))
 
-        await trio.to_thread.run_sync(main)
+        try:
+            await trio.to_thread.run_sync(main)
+        finally:
+            self.ended.set()
 
     async def _serve(self, started: Callable[[int], None]) -> None:
         self._loop = asyncio.get_running_loop()

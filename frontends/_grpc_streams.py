@@ -27,13 +27,14 @@ from ..protocols import (
     OrchestrionError,
     ServerClosedError,
 )
-from ..protocols._kserve import WireRequest, error_message
 from ..protocols._kserve_grpc import (
     declared_size,
     decode_grpc_request,
     encode_grpc_response,
     final_response,
 )
+from ..protocols._kserve_requests import WireRequest
+from ..protocols._kserve_status import error_message
 from ._offload import off_loop
 
 _log = logging.getLogger("orchestrion.grpc")
@@ -164,11 +165,12 @@ class Stream:
                 _error_response(message.model_name, message.model_version, message.id, exc)
             )
             return
-        if wire.sequence_id:
-            lane = self._lanes.get(wire.sequence_id)
+        sequence_id = wire.options.sequence_id
+        if sequence_id:
+            lane = self._lanes.get(sequence_id)
             if lane is None:
-                lane = self._lanes[wire.sequence_id] = collections.deque()
-                self._nursery.start_soon(self._lane, wire.sequence_id, lane)
+                lane = self._lanes[sequence_id] = collections.deque()
+                self._nursery.start_soon(self._lane, sequence_id, lane)
             lane.append((wire, traceparent))
         else:
             self._nursery.start_soon(self._answer, wire, traceparent)
@@ -193,37 +195,41 @@ class Stream:
                 response = await self.server.infer(
                     wire.model_name,
                     wire.inputs,
-                    **wire.infer_arguments(),
-                    timeout=wire.timeout,
+                    options=wire.options,
                     traceparent=traceparent,
                 )
                 await self.emit(_stream_response(encode_grpc_response(response, final=True)))
                 return
-            responses = self.server.stream_infer(
-                wire.model_name, wire.inputs, **wire.infer_arguments(), traceparent=traceparent
-            )
+            # The stream's own deadline below covers the timeout: stream_infer takes none.
+            options = attrs.evolve(wire.options, timeout=None, traceparent=traceparent)
+            responses = self.server.stream_infer(wire.model_name, wire.inputs, options=options)
             async with contextlib.aclosing(responses) as each:
-                with trio.fail_after(wire.timeout or math.inf):
+                with trio.fail_after(wire.options.timeout or math.inf):
                     async for response in each:
                         message = encode_grpc_response(response, final=False)
                         await self.emit(_stream_response(message))
             if wire.empty_final_response:
-                version = str(wire.model_version)
+                version = str(wire.options.model_version)
+                request_id = wire.options.request_id
                 await self.emit(
-                    _stream_response(final_response(wire.model_name, version, wire.request_id))
+                    _stream_response(final_response(wire.model_name, version, request_id))
                 )
         except trio.TooSlowError:
             error = InferenceTimeoutError(
-                f"request for model '{wire.model_name}' timed out after {wire.timeout} s"
+                f"request for model '{wire.model_name}' timed out after {wire.options.timeout} s"
             )
             await self.emit(
-                _error_response(wire.model_name, str(wire.model_version), wire.request_id, error)
+                _error_response(
+                    wire.model_name, str(wire.options.model_version), wire.options.request_id, error
+                )
             )
         except Exception as exc:
             if not isinstance(exc, OrchestrionError):
                 _log.error("stream request failed unexpectedly", exc_info=exc)
             await self.emit(
-                _error_response(wire.model_name, str(wire.model_version), wire.request_id, exc)
+                _error_response(
+                    wire.model_name, str(wire.options.model_version), wire.options.request_id, exc
+                )
             )
         finally:
             self._window.release()

@@ -4,19 +4,17 @@ How this works: `HttpApi.handle` answers one complete request (method, path, hea
 `orchestrion.frontends._http_server` (trio and h11) owns the sockets, reads bodies within their size
 limit, and cancels the work of a client that disconnects. An infer request goes straight from
 its connection's task into ``AsyncServer.infer``, with no thread or queue in between. The
-bodies are encoded and decoded by `orchestrion.protocols._kserve` (pure code); this module
+bodies are encoded and decoded by `orchestrion.protocols._kserve_http` (pure code); this module
 routes, inflates compressed bodies and maps errors to Triton's status codes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import logging
 import re
 import zlib
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -24,22 +22,22 @@ import trio
 
 from .._server import AsyncServer
 from ..protocols import ConfigError, InferResponse, InvalidRequestError, OrchestrionError
-from ..protocols._kserve import (
-    HEADER_LENGTH,
-    WireRequest,
-    decode_http_request,
-    encode_http_response,
-    error_body,
-    error_message,
-    http_status,
+from ..protocols._kserve_documents import (
     model_config_json,
     model_metadata,
     model_statistics_json,
-    parse_version,
     repository_index,
     server_metadata,
 )
-from ._control import ModelControl
+from ..protocols._kserve_http import (
+    HEADER_LENGTH,
+    decode_http_request,
+    encode_http_response,
+    error_body,
+)
+from ..protocols._kserve_requests import WireRequest, parse_version
+from ..protocols._kserve_status import error_message, http_status
+from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._http_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -167,8 +165,7 @@ class HttpApi:
         response = await self.server.infer(
             wire.model_name,
             wire.inputs,
-            **wire.infer_arguments(),
-            timeout=wire.timeout,
+            options=wire.options,
             traceparent=traceparent.decode("latin-1") if traceparent else None,
         )
         size = sum(int(a.nbytes) for a in response.outputs.values())
@@ -309,23 +306,26 @@ def _compressed(
     return status, [*headers, (b"content-encoding", encoding)], [body]
 
 
-@contextlib.asynccontextmanager
-async def open_http_api(
+async def serve_http_api(
     api: HttpApi,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str,
+    port: int,
     *,
-    exit_timeout: float = 30.0,
+    shutdown: Shutdown | None = None,
+    exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_connections: int | None = None,
-) -> AsyncIterator[tuple[str, Callable[[], None]]]:
-    """Serve ``api`` over HTTP/1.1 for the duration of the block.
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``api`` over HTTP/1.1 on ``host:port`` until cancelled, or until ``shutdown``
+    is requested; reports the address it listens on through ``task_status``.
 
-    Yields the address it listens on (``host:port``; ``port=0`` picks a free one) and a
-    function that starts a graceful stop: no new connections, requests in flight get up to
-    ``exit_timeout`` seconds, then they are cancelled (and answered 503). Leaving the block
-    stops the same way.
+    ``address = await nursery.start(serve_http_api, api, host, port)``: ``port=0`` picks a
+    free port (``address``, ``host:port``, says which). Cancelling stops it at once.
+    Requesting ``shutdown`` stops it gracefully, then it returns: no new connections, idle
+    ones closed, requests in flight get up to ``exit_timeout`` seconds, then they are
+    cancelled (and answered 503).
 
     Args:
         header_timeout: seconds a request head may take to arrive (408 beyond).
@@ -334,7 +334,8 @@ async def open_http_api(
             the open-file limit, at most 4,096 (`default_max_connections`).
 
     Raises:
-        ConfigError: the address cannot be bound, or a limit is not positive.
+        ConfigError: the address cannot be bound, or a limit is not positive (before it
+            reports).
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"HTTP port {port} is not a TCP port (0-65535; 0: any free port)")
@@ -342,12 +343,6 @@ async def open_http_api(
         raise ConfigError("--http-header-timeout and --http-body-timeout must be > 0")
     if max_connections is not None and max_connections < 1:
         raise ConfigError(f"--http-max-connections must be >= 1, not {max_connections}")
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-    except OSError as exc:
-        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from exc
-    bound = listeners[0].socket.getsockname()
-    address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
     server = HttpServer(
         api.handle,
         api.max_input_size,
@@ -356,15 +351,12 @@ async def open_http_api(
         body_timeout=body_timeout,
         max_connections=max_connections or default_max_connections(),
     )
-    error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.serve, listeners, exit_timeout)
-        try:
-            yield address, server.stop
-        except BaseException as exc:  # the caller's: leaves as itself
-            error = exc
-            nursery.cancel_scope.cancel()
-        else:
-            server.stop()
-    if error is not None:
-        raise error
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from exc
+    bound = listeners[0].socket.getsockname()
+    address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+    with (shutdown or Shutdown()).on_request(server.stop):
+        task_status.started(address)
+        await server.serve(listeners, exit_timeout)

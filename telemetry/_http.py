@@ -1,13 +1,14 @@
 """The ``/metrics`` endpoint: Prometheus scrapes it over HTTP, served from inside trio.
 
-hypercorn (an ASGI server that runs on trio) serves a tiny ASGI app in a task of the server's
-own nursery, so the endpoint lives and dies with the server: no daemon thread. The endpoint
-binds to loopback unless told otherwise.
+`serve_metrics_endpoint` runs hypercorn (an ASGI server that runs on trio) with a tiny ASGI
+app until cancelled; `open_metrics_endpoint` runs it for the duration of a block, which
+``open_server`` holds open, so the endpoint lives and dies with the server: no daemon thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -18,6 +19,7 @@ from hypercorn.trio import serve
 from prometheus_client.registry import CollectorRegistry
 
 from ..protocols import ConfigError, os_error_in
+from ..protocols._errors import ungrouped
 from ._metrics import CONTENT_TYPE, metrics_text
 
 _log = logging.getLogger("orchestrion.telemetry")
@@ -56,45 +58,53 @@ def metrics_app(registry: CollectorRegistry) -> Callable[[Scope, Receive, Send],
     return app
 
 
-@contextlib.asynccontextmanager
-async def open_metrics_endpoint(
-    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 8002
-) -> AsyncIterator[str]:
-    """Serve ``/metrics`` for the duration of the block; yields the URL it listens on.
+async def serve_metrics_endpoint(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` on ``host:port`` until cancelled; reports the URL it listens on
+    through ``task_status``.
 
-    ``port=0`` picks a free port (the URL says which).
+    ``url = await nursery.start(serve_metrics_endpoint, registry, host, port)``: ``port=0``
+    picks a free port (the URL says which).
 
     Raises:
-        ConfigError: the address cannot be bound (the port is taken, say).
+        ConfigError: the address cannot be bound (the port is taken, say), before it reports.
     """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics port {port} is not a TCP port (0-65535; 0: any free port)")
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = _log
     config.graceful_timeout = 1.0
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"metrics port {port} is not a TCP port (0-65535; 0: any free port)")
-    error: BaseException | None = None
-    bind_error: OSError | None = None
-    async with trio.open_nursery() as nursery:
-        app: Any = metrics_app(registry)
+    app: Any = metrics_app(registry)
+    async with ungrouped(trio.open_nursery()) as nursery:
         try:
-            binds = await nursery.start(
-                lambda task_status: serve(app, config, mode="asgi", task_status=task_status)
-            )
+            binds = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
         except BaseException as exc:  # hypercorn's own nurseries wrap a bind error
             bind_error = os_error_in(exc)
             if bind_error is None:
-                error = exc
-        else:
-            try:
-                yield f"{binds[0]}/metrics"
-            except BaseException as exc:  # the caller's: leaves as itself
-                error = exc
+                raise
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {bind_error.strerror or bind_error}"
+            ) from bind_error
+        task_status.started(f"{binds[0]}/metrics")
+
+
+@contextlib.asynccontextmanager
+async def open_metrics_endpoint(
+    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 8002
+) -> AsyncIterator[str]:
+    """`serve_metrics_endpoint` for the duration of the block (for an exit stack); yields
+    the URL it listens on. Errors, its own and the block's, leave as themselves.
+
+    Raises:
+        ConfigError: the address cannot be bound (the port is taken, say).
+    """
+    async with ungrouped(trio.open_nursery()) as nursery:
+        yield await nursery.start(serve_metrics_endpoint, registry, host, port)
         nursery.cancel_scope.cancel()
-    if bind_error is not None:
-        raise ConfigError(
-            f"cannot serve metrics on {host}:{port}: {bind_error.strerror or bind_error}"
-        ) from bind_error
-    if error is not None:
-        raise error

@@ -3,25 +3,45 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
+import trio
 from served import MODELS
 
 from orchestrion import AsyncServer, open_server
-from orchestrion.frontends._control import ModelControl
-from orchestrion.frontends._grpc_service import open_grpc_api
-from orchestrion.frontends._http_api import HttpApi, open_http_api
+from orchestrion.frontends._control import ModelControl, Shutdown
+from orchestrion.frontends._grpc_service import serve_grpc_api
+from orchestrion.frontends._http_api import HttpApi, serve_http_api
+from orchestrion.protocols._errors import ungrouped
 
 
 @contextlib.asynccontextmanager
 async def front_ends(**server_options: Any) -> AsyncIterator[tuple[AsyncServer, str, str]]:
-    """A server on tests/kserve_models with both front ends on free loopback ports."""
+    """A server on tests/kserve_models with both front ends on free loopback ports; they
+    stop gracefully when the block ends (at once when it raises, the error as itself)."""
     async with open_server(MODELS, **server_options) as server:
         control = ModelControl(server)
         api = HttpApi(server, control, "test")
-        async with (
-            open_http_api(api, port=0, exit_timeout=5) as (http_address, _),
-            open_grpc_api(server, control, "test", port=0, exit_timeout=5) as (grpc_address, _),
-        ):
+        shutdown = Shutdown()
+        async with ungrouped(trio.open_nursery()) as nursery:
+            http_address = await nursery.start(
+                functools.partial(
+                    serve_http_api, api, "127.0.0.1", 0, shutdown=shutdown, exit_timeout=5
+                )
+            )
+            grpc_address = await nursery.start(
+                functools.partial(
+                    serve_grpc_api,
+                    server,
+                    control,
+                    "test",
+                    "127.0.0.1",
+                    0,
+                    shutdown=shutdown,
+                    exit_timeout=5,
+                )
+            )
             yield server, http_address, grpc_address
+            shutdown.request()

@@ -123,6 +123,7 @@ def test_public_names() -> None:
             "OrchestrionError",
             "QueueFullError",
             "QueueTimeoutError",
+            "RequestOptions",
             "ResponseCache",
             "Server",
             "ServerClosedError",

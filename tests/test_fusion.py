@@ -343,3 +343,13 @@ async def test_xla_mode_compiles_the_whole_graph_in_the_background() -> None:
             for name, want in _reference(x).items():
                 np.testing.assert_allclose(response.outputs[name], want, rtol=1e-5)
         assert server.model_statistics("segment")[0].inference_count == 6
+
+
+async def test_an_unknown_fusion_mode_is_a_load_error_naming_the_parameter() -> None:
+    """A misspelt ``fusion`` parameter used to turn fusion off without a word; it is refused
+    at load, naming the parameter and the modes there are."""
+    with pytest.raises(
+        orchestrion.ConfigError, match=r"parameter 'fusion' must be one of on, xla, off, got 'xlaa'"
+    ):
+        async with orchestrion.open_server(models=_models(fusion="xlaa")):
+            pass

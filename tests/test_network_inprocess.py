@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.client
 import socket
 from typing import Any
 
@@ -19,9 +21,10 @@ from served import MODELS
 from tritonclient.utils import InferenceServerException
 
 from orchestrion import AsyncServer, open_server
-from orchestrion.frontends._control import ModelControl
-from orchestrion.frontends._grpc_service import open_grpc_api
-from orchestrion.frontends._http_api import HttpApi, open_http_api
+from orchestrion.frontends._control import ModelControl, ModelControlMode, Shutdown
+from orchestrion.frontends._grpc_service import serve_grpc_api
+from orchestrion.frontends._http_api import HttpApi, serve_http_api
+from orchestrion.frontends._serve import ServeOptions, serve
 
 
 def _pending(server: AsyncServer, model: str) -> int:
@@ -148,11 +151,73 @@ async def test_bind_errors_are_config_errors() -> None:
     try:
         async with open_server(MODELS, load_models=["square"]) as server:
             control = ModelControl(server)
-            with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
-                async with open_http_api(HttpApi(server, control, "t"), port=port):
-                    pass
-            with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
-                async with open_grpc_api(server, control, "t", port=port):
-                    pass
+            # Raised before they report, so never serving: the deadline is a safeguard.
+            with trio.fail_after(60), pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+                await serve_http_api(HttpApi(server, control, "t"), "127.0.0.1", port)
+            with trio.fail_after(60), pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+                await serve_grpc_api(server, control, "t", "127.0.0.1", port)
     finally:
         taken.close()
+
+
+async def test_serve_in_process_stops_gracefully_on_shutdown_and_at_once_on_cancel() -> None:
+    """`serve` reports its endpoints through ``nursery.start``. A requested `Shutdown` lets
+    a request in flight finish (200) before `serve` returns, and the ports close; cancelling
+    `serve` instead stops it at once."""
+    options = ServeOptions(
+        model_repository=MODELS,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        model_control_mode=ModelControlMode.EXPLICIT,
+        load_models=("sleepy",),
+        exit_timeout=20,
+    )
+    shutdown = Shutdown()
+    async with trio.open_nursery() as nursery:
+        endpoints = await nursery.start(functools.partial(serve, options, shutdown=shutdown))
+        assert endpoints.http is not None
+        assert endpoints.grpc is not None
+        assert endpoints.metrics is not None
+        host, port = endpoints.http.rsplit(":", 1)
+        body = b'{"inputs":[{"name":"DELAY","datatype":"FP32","shape":[1],"data":[1.0]}]}'
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        metrics = endpoints.metrics
+        with trio.fail_after(30):
+            while not await trio.to_thread.run_sync(_sleepy_pending, metrics):  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        shutdown.request()
+        answer = b""
+        with trio.fail_after(30):
+            while chunk := await stream.receive_some():
+                answer += chunk
+        await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert b"connection: close" in answer.lower()
+    with pytest.raises(OSError, match="[Cc]onnect"):
+        await trio.open_tcp_stream(host, int(port))
+    with trio.fail_after(10):  # no request in flight either way: cancelling is immediate
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, options)
+            nursery.cancel_scope.cancel()
+
+
+def _sleepy_pending(address: str) -> bool:
+    """Whether the metrics endpoint at ``address`` counts a pending request of ``sleepy``."""
+    connection = http.client.HTTPConnection(address, timeout=10)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    return any(
+        line.startswith('nv_inference_pending_request_count{model="sleepy"')
+        and float(line.split()[-1]) > 0
+        for line in text.splitlines()
+    )
