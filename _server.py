@@ -42,6 +42,7 @@ from .protocols import (
     parse_cache_config,
     parse_trace_config,
 )
+from .protocols._errors import ungrouped
 from .telemetry import (
     RequestTracing,
     extract_traceparent,
@@ -392,8 +393,7 @@ async def _open_models(
 ) -> AsyncIterator[AsyncServer]:
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
-    error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
+    async with ungrouped(trio.open_nursery()) as nursery:
         registry = ModelRegistry(
             nursery=nursery,
             observer=_observer(observers),
@@ -401,24 +401,15 @@ async def _open_models(
             cache=cache,
             tracing=tracing,
         )
+        found = []
+        if model_repository is not None and (load_models is None or load_models):
+            found = await registry.read_repository(load_models)
+        await registry.load([*found, *models], replace=False)
         try:
-            found = []
-            if model_repository is not None and (load_models is None or load_models):
-                found = await registry.read_repository(load_models)
-            await registry.load([*found, *models], replace=False)
-        except OrchestrionError as exc:
-            error = exc
-            nursery.cancel_scope.cancel()
-        else:
-            try:
-                yield AsyncServer(registry)
-            except BaseException as exc:
-                # Leaving by an error or a cancellation: stop everything now.
-                error = exc
-                registry.abort()
-                nursery.cancel_scope.cancel()
-            else:
-                # Leaving normally: requests still running (from other tasks) finish first.
-                await registry.close()
-    if error is not None:
-        raise error
+            yield AsyncServer(registry)
+        except BaseException:
+            # Leaving by an error or a cancellation: stop everything now.
+            registry.abort()
+            raise
+        # Leaving normally: requests still running (from other tasks) finish first.
+        await registry.close()

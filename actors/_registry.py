@@ -37,6 +37,7 @@ from ..protocols import (
     StepStatistics,
     validate_repository,
 )
+from ..protocols._errors import leaf_errors
 from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
@@ -58,16 +59,7 @@ def _keep_counting(old: StatsRecorder, runner: Runner) -> None:
 
 def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """Turn a loader nursery's exception group into the one error a user should see."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
+    leaves = leaf_errors(group)
     if not all(isinstance(e, OrchestrionError) for e in leaves):
         return group
     if len(leaves) == 1:

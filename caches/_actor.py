@@ -45,6 +45,7 @@ from ..protocols import (
     InferResponse,
     frozen_outputs,
 )
+from ..protocols._errors import ungrouped
 from ._protocol import ResponseCache
 
 _log = logging.getLogger("orchestrion.caches")
@@ -505,20 +506,12 @@ async def open_cache_actor(cache: ResponseCache, name: str) -> AsyncIterator[Cac
     leave as themselves (not wrapped in the workers' nursery's exception group).
     """
     actor = CacheActor(cache, name)
-    error: BaseException | None = None
     try:
-        async with trio.open_nursery() as nursery:
+        async with ungrouped(trio.open_nursery()) as nursery:
             await nursery.start(actor.serve)
-            try:
-                yield actor
-            except BaseException as exc:
-                error = exc
-                nursery.cancel_scope.cancel()
-            else:
-                actor.close()
+            yield actor  # an error here cancels the workers (the nursery's own doing)
+            actor.close()
     finally:
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + 10  # a stuck backend cannot hold us forever
             await cache.aclose()
-    if error is not None:
-        raise error
