@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import attrs
+import jax
 import numpy as np
 import trio
 
@@ -34,6 +35,40 @@ from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
 from ._fusion import Fusion, SignatureState
 from ._runner import ModelRunner, batch_size
+
+
+def fusable(runner: object, max_batch_size: int) -> bool:
+    """Whether ``runner`` can be a step of an ensemble's fused call."""
+    if not isinstance(runner, ModelRunner):
+        return False
+    capabilities = runner.capabilities
+    return (
+        capabilities.traceable
+        and not capabilities.stateful
+        and not capabilities.is_async
+        and not capabilities.streaming
+        and not capabilities.takes_request
+        and _batching_fusable(runner)
+        and all(t.reshape is None for t in runner.config.input)
+        and runner.observer is None
+        and runner.tracing is None
+        and runner.config.max_batch_size == max_batch_size
+        and all(i.device == jax.devices()[0] for i in runner.instances)
+    )
+
+
+def _batching_fusable(runner: ModelRunner) -> bool:
+    """No dynamic batching, or one that gathering requests into the fused call honours:
+    no queue delay, no priorities, no queue policy (timeouts, a queue size)."""
+    batching = runner.config.dynamic_batching
+    if runner.batcher is None or batching is None:
+        return runner.batcher is None
+    return (
+        batching.max_queue_delay_microseconds == 0
+        and batching.priority_levels == 0
+        and batching.default_queue_policy is None
+        and not batching.priority_queue_policy
+    )
 
 
 @attrs.define(eq=False)

@@ -69,40 +69,6 @@ class SignatureState(enum.StrEnum):
     """It cannot be fused (a step's outputs break its config, or tracing failed)."""
 
 
-def fusable(runner: object, max_batch_size: int) -> bool:
-    """Whether ``runner`` can be a step of an ensemble's fused call."""
-    if not isinstance(runner, ModelRunner):
-        return False
-    capabilities = runner.capabilities
-    return (
-        capabilities.traceable
-        and not capabilities.stateful
-        and not capabilities.is_async
-        and not capabilities.streaming
-        and not capabilities.takes_request
-        and _batching_fusable(runner)
-        and all(t.reshape is None for t in runner.config.input)
-        and runner.observer is None
-        and runner.tracing is None
-        and runner.config.max_batch_size == max_batch_size
-        and all(i.device == jax.devices()[0] for i in runner.instances)
-    )
-
-
-def _batching_fusable(runner: ModelRunner) -> bool:
-    """No dynamic batching, or one that gathering requests into the fused call honours:
-    no queue delay, no priorities, no queue policy (timeouts, a queue size)."""
-    batching = runner.config.dynamic_batching
-    if runner.batcher is None or batching is None:
-        return runner.batcher is None
-    return (
-        batching.max_queue_delay_microseconds == 0
-        and batching.priority_levels == 0
-        and batching.default_queue_policy is None
-        and not batching.priority_queue_policy
-    )
-
-
 def _bucket(rows: int, max_batch: int) -> int:
     """The batch size a fused call of ``rows`` rows is padded to: the next power of two (at
     most ``max_batch``), so that few sizes are ever compiled."""

@@ -40,7 +40,7 @@ from ..protocols import (
 )
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._ensemble import EnsembleRunner
-from ._fusion import fusable
+from ._ensemble_fusion import fusable
 from ._loaded_models import LoadedModels, Runner
 from ._runner import ModelRunner, batch_size
 
