@@ -41,7 +41,7 @@ from ._dtypes import DataType as DataType
 from ._ensemble import EnsembleGraph as EnsembleGraph
 from ._ensemble import StepPlan as StepPlan
 from ._ensemble import is_decoupled as is_decoupled
-from ._ensemble import validate_ensemble as validate_ensemble
+from ._ensemble_validation import validate_ensemble as validate_ensemble
 from ._errors import CacheUnavailableError as CacheUnavailableError
 from ._errors import CacheWriteRefusedError as CacheWriteRefusedError
 from ._errors import ConfigError as ConfigError

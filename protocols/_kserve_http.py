@@ -70,6 +70,23 @@ def decode_http_request(
     inputs_field = document.get("inputs")
     if not isinstance(inputs_field, list):
         raise InvalidRequestError("the request JSON needs an 'inputs' array")
+    inputs = _decode_inputs(inputs_field, binary)
+    outputs, binary_outputs = _requested_outputs(document.get("outputs"))
+    return WireRequest(
+        model_name=model_name,
+        inputs=inputs,
+        options=RequestOptions(
+            model_version=parse_version(version), outputs=outputs, request_id=request_id, **fields
+        ),
+        binary_outputs=binary_outputs,
+        **flags,
+    )
+
+
+def _decode_inputs(inputs_field: list[Any], binary: memoryview) -> dict[str, np.ndarray[Any, Any]]:
+    """The request's ``inputs``, each from its JSON ``data`` or from its ``binary_data_size``
+    bytes of ``binary`` (the body after the JSON header, taken in order and used up exactly).
+    """
     inputs: dict[str, np.ndarray[Any, Any]] = {}
     offset = 0
     for item in inputs_field:
@@ -110,16 +127,7 @@ def decode_http_request(
         raise InvalidRequestError(
             f"{len(binary) - offset} bytes of binary data follow the tensors the header names"
         )
-    outputs, binary_outputs = _requested_outputs(document.get("outputs"))
-    return WireRequest(
-        model_name=model_name,
-        inputs=inputs,
-        options=RequestOptions(
-            model_version=parse_version(version), outputs=outputs, request_id=request_id, **fields
-        ),
-        binary_outputs=binary_outputs,
-        **flags,
-    )
+    return inputs
 
 
 def _object(document: Mapping[str, Any], key: str, *, where: str = "request") -> dict[str, Any]:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from ._config import InstanceKind, ModelConfig, TensorConfig
 from ._dtypes import DataType
-from ._ensemble import validate_ensemble
+from ._ensemble_validation import validate_ensemble
 
 
 def _segments(shape: tuple[int, ...]) -> list[int]:

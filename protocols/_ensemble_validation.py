@@ -1,0 +1,415 @@
+"""Every load-time rule an ensemble's wiring must satisfy (`validate_ensemble`).
+
+How this works: an ensemble is a set of named tensors. Each tensor is produced exactly once,
+either by the client (an ensemble input) or by one step's ``output_map``, and consumed by the
+steps whose ``input_map`` names it (or returned as an ensemble output). `validate_ensemble`
+checks the wiring against the composing models' configs and returns every problem it finds,
+each naming the ensemble, the step and the tensor. It runs named checks in a fixed order (the
+order of the messages): the ensemble's own settings, the models its steps use, each step's
+model and maps and the tensors it produces, then each step's inputs (the data types and shapes
+along each tensor), then unused ensemble inputs, the ensemble's outputs, unused step outputs,
+reachability and decoupled producers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from ._config import ModelConfig, TensorConfig
+from ._ensemble import EnsembleGraph, StepPlan, is_decoupled
+
+MAX_INFLIGHT_LIMIT = 2**32
+
+
+def _full_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
+    return ((-1,) if max_batch_size > 0 else ()) + tensor.dims
+
+
+def _did_you_mean(graph: EnsembleGraph, name: str, models: Mapping[str, ModelConfig]) -> str:
+    steps = ", ".join(f"step[{s.index}]" for s in graph.steps if s.model_name == name)
+    close = difflib.get_close_matches(name, list(models), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f" ('{name}' in {steps}{hint})"
+
+
+def _own_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
+    """An ensemble input's or output's shape inside the ensemble: its reshape, if any."""
+    dims = tensor.reshape.shape if tensor.reshape is not None else tensor.dims
+    return ((-1,) if max_batch_size > 0 else ()) + dims
+
+
+def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+@attrs.define
+class _TensorInfo:
+    """What is known about an ensemble tensor while validating: where it comes from."""
+
+    source: str
+    data_type: object
+    shape: tuple[int, ...]
+    """The full shape (a leading -1 when its producer batches); () when unknown."""
+    step: int | None  # None for an ensemble input
+    batching: bool = False
+
+    def fits(self, shape: tuple[int, ...], batching: bool) -> bool:
+        """Triton's consistency rule: the full shapes agree, or only one side batches and
+        the per-item dims agree (a batch of 1 is added or removed on the way)."""
+        if not self.shape or _shapes_agree(self.shape, shape):
+            return True
+        if self.batching == batching:
+            return False
+        mine = self.shape[1:] if self.batching else self.shape
+        theirs = shape[1:] if batching else shape
+        return _shapes_agree(mine, theirs)
+
+
+def validate_ensemble(
+    config: ModelConfig,
+    models: Mapping[str, ModelConfig],
+    versions: Mapping[str, Iterable[int]] | None = None,
+) -> list[str]:
+    """Check an ensemble's load-time rules and return every problem found (empty when valid).
+
+    The rules: the ensemble sets no ``backend``, ``instance_group``, ``optimization`` or
+    ``model_warmup``, and its ``max_inflight_requests`` is below 2^32; every step names a
+    model of the repository (at a version it has), maps the model's real inputs (every
+    required one) and outputs, and takes batches at least as large as the ensemble's; each
+    tensor is produced once (as an ensemble input or by one step), every ensemble input is
+    consumed, every ensemble output produced and every step output used; data types and
+    shapes agree along each tensor; the ensemble's outputs are reachable from its inputs; and
+    no step, nor the outputs, combines the iterations of two different decoupled producers.
+
+    Args:
+        config: the ensemble's config.
+        models: the configs of the other models of the repository, by name.
+        versions: the versions available for each model, when known; used to check steps
+            that ask for a specific ``model_version``.
+    """
+    sched = config.ensemble_scheduling
+    if sched is None:
+        return [f"ensemble '{config.name}': platform 'ensemble' needs ensemble_scheduling"]
+    errors = _setting_errors(config)
+    if not sched.step:
+        errors.append(f"ensemble '{config.name}': ensemble_scheduling has no step")
+        return errors
+    graph = EnsembleGraph.from_config(config)
+    tensors = _ensemble_input_tensors(config)
+    errors.extend(_unknown_model_errors(config, graph, models))
+    for step in graph.steps:  # first every producer, so that consumers can be checked
+        errors.extend(_step_errors(config, step, models, versions))
+        errors.extend(_step_output_errors(config, step, models, tensors))
+    for step in graph.steps:
+        errors.extend(_step_input_errors(config, step, models, tensors))
+    consumed = {tensor for step in graph.steps for _, tensor in step.inputs}
+    errors.extend(_unused_input_errors(config, consumed))
+    errors.extend(_ensemble_output_errors(config, tensors))
+    errors.extend(_unused_tensor_errors(config, tensors, consumed))
+    errors.extend(_reachability_errors(config, graph, tensors))
+    errors.extend(_decoupled_errors(config, graph, models))
+    return errors
+
+
+def _setting_errors(config: ModelConfig) -> list[str]:
+    """Fields an ensemble must not set, and the range of ``max_inflight_requests``."""
+    assert config.ensemble_scheduling is not None
+    errors = []
+    for field, present in (
+        ("backend", bool(config.backend)),
+        ("instance_group", bool(config.instance_group)),
+        ("optimization", config.optimization is not None),
+        ("model_warmup", bool(config.model_warmup)),
+    ):
+        if present:
+            errors.append(f"ensemble '{config.name}': an ensemble must not set '{field}'")
+    inflight = config.ensemble_scheduling.max_inflight_requests
+    if not 0 <= inflight < MAX_INFLIGHT_LIMIT:
+        errors.append(
+            f"ensemble '{config.name}': max_inflight_requests must be an integer in [0, 2^32), "
+            f"got {inflight}"
+        )
+    return errors
+
+
+def _ensemble_input_tensors(config: ModelConfig) -> dict[str, _TensorInfo]:
+    """The tensors the client produces: the ensemble's inputs."""
+    return {
+        t.name: _TensorInfo(
+            source=f"ensemble input '{t.name}'",
+            data_type=t.data_type,
+            shape=_own_shape(t, config.max_batch_size),
+            step=None,
+            batching=config.max_batch_size > 0,
+        )
+        for t in config.input
+    }
+
+
+def _unknown_model_errors(
+    config: ModelConfig, graph: EnsembleGraph, models: Mapping[str, ModelConfig]
+) -> list[str]:
+    """One message naming every model the steps use that the repository lacks."""
+    unknown = sorted(
+        {s.model_name for s in graph.steps if s.model_name and s.model_name not in models}
+    )
+    if not unknown:
+        return []
+    return [
+        f"ensemble '{config.name}': steps use models that are not in the repository: "
+        + ", ".join(f"'{m}'" for m in unknown)
+        + "".join(_did_you_mean(graph, m, models) for m in unknown)
+    ]
+
+
+def _step_errors(
+    config: ModelConfig,
+    step: StepPlan,
+    models: Mapping[str, ModelConfig],
+    versions: Mapping[str, Iterable[int]] | None,
+) -> list[str]:
+    """A step's model and maps: both maps given, the version available, batches big enough."""
+    where = step.describe(config.name)
+    errors = []
+    if not step.model_name:
+        errors.append(f"ensemble '{config.name}' step[{step.index}]: model_name is required")
+    if not step.inputs:
+        errors.append(f"{where}: input_map is required")
+    if not step.outputs:
+        errors.append(f"{where}: output_map is required")
+    model = models.get(step.model_name)
+    if model is None:
+        return errors
+    if versions is not None and step.model_version > 0:
+        available = sorted(versions.get(step.model_name, ()))
+        if step.model_version not in available:
+            errors.append(
+                f"{where}: requires version {step.model_version}, which is not available "
+                f"(available: {', '.join(map(str, available)) or 'none'})"
+            )
+    if config.max_batch_size > 0 and 0 < model.max_batch_size < config.max_batch_size:
+        errors.append(
+            f"{where}: the model's max_batch_size {model.max_batch_size} is smaller than "
+            f"the ensemble's max_batch_size {config.max_batch_size}"
+        )
+    return errors
+
+
+def _step_output_errors(
+    config: ModelConfig,
+    step: StepPlan,
+    models: Mapping[str, ModelConfig],
+    tensors: dict[str, _TensorInfo],
+) -> list[str]:
+    """A step's outputs: real outputs of its model, each tensor produced once; records in
+    ``tensors`` each tensor it is the first to produce."""
+    where = step.describe(config.name)
+    model = models.get(step.model_name)
+    errors = []
+    for model_output, tensor in step.outputs:
+        out = model.output_named(model_output) if model else None
+        if model is not None and out is None:
+            errors.append(
+                f"{where}: output_map key '{model_output}' is not an output of the model "
+                f"(outputs: {', '.join(o.name for o in model.output) or 'none'})"
+            )
+        if tensor in tensors:
+            errors.append(
+                f"{where}: tensor '{tensor}' is produced more than once "
+                f"(also by {tensors[tensor].source})"
+            )
+            continue
+        tensors[tensor] = _TensorInfo(
+            source=f"step[{step.index}] (model '{step.model_name}') output '{model_output}'",
+            data_type=out.data_type if out else None,
+            shape=_full_shape(out, model.max_batch_size) if out and model else (),
+            step=step.index,
+            batching=model is not None and model.max_batch_size > 0,
+        )
+    return errors
+
+
+def _step_input_errors(
+    config: ModelConfig,
+    step: StepPlan,
+    models: Mapping[str, ModelConfig],
+    tensors: Mapping[str, _TensorInfo],
+) -> list[str]:
+    """A step's inputs: each tensor produced, each key a real input of the model, agreeing in
+    data type and shape with the tensor; and every required input of the model mapped."""
+    where = step.describe(config.name)
+    model = models.get(step.model_name)
+    errors = []
+    for model_input, tensor in step.inputs:
+        info = tensors.get(tensor)
+        if info is None:
+            errors.append(
+                f"{where}: input '{model_input}' takes tensor '{tensor}', which is neither "
+                "an ensemble input nor produced by any step"
+            )
+        if model is None:
+            continue
+        inp = model.input_named(model_input)
+        if inp is None:
+            errors.append(
+                f"{where}: input_map key '{model_input}' is not an input of the model "
+                f"(inputs: {', '.join(i.name for i in model.input) or 'none'})"
+            )
+        elif info is not None and info.data_type is not None:
+            errors.extend(_agreement_errors(where, tensor, info, model_input, inp, model))
+    if model is not None:
+        mapped = {m for m, _ in step.inputs}
+        missing = [i.name for i in model.input if not i.optional and i.name not in mapped]
+        if missing:
+            errors.append(
+                f"{where}: required model inputs are not mapped in input_map: "
+                + ", ".join(f"'{m}'" for m in missing)
+            )
+    return errors
+
+
+def _agreement_errors(
+    where: str,
+    tensor: str,
+    info: _TensorInfo,
+    model_input: str,
+    inp: TensorConfig,
+    model: ModelConfig,
+) -> list[str]:
+    """Whether a tensor's data type and shape are what the step's model input expects."""
+    errors = []
+    if info.data_type != inp.data_type:
+        errors.append(
+            f"{where}: tensor '{tensor}' is {info.data_type.name} "  # type: ignore[attr-defined]
+            f"({info.source}) but input '{model_input}' expects "
+            f"{inp.data_type.name}"
+        )
+    shape = _full_shape(inp, model.max_batch_size)
+    if not info.fits(shape, model.max_batch_size > 0):
+        errors.append(
+            f"{where}: tensor '{tensor}' has shape {_fmt_shape(info.shape)} "
+            f"({info.source}) but input '{model_input}' expects {_fmt_shape(shape)}"
+        )
+    return errors
+
+
+def _unused_input_errors(config: ModelConfig, consumed: set[str]) -> list[str]:
+    """Every ensemble input is taken by some step."""
+    return [
+        f"ensemble '{config.name}': ensemble input '{t.name}' is not used by any step"
+        for t in config.input
+        if t.name not in consumed
+    ]
+
+
+def _ensemble_output_errors(config: ModelConfig, tensors: Mapping[str, _TensorInfo]) -> list[str]:
+    """Every ensemble output is produced by a step, agreeing in data type and shape."""
+    name = config.name
+    errors = []
+    for t in config.output:
+        info = tensors.get(t.name)
+        if info is None or info.step is None:
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' is not produced by any step"
+            )
+            continue
+        if info.data_type is not None and info.data_type != t.data_type:
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' is {t.data_type.name} but "
+                f"{info.source} is {info.data_type.name}"  # type: ignore[attr-defined]
+            )
+        shape = _own_shape(t, config.max_batch_size)
+        if not info.fits(shape, config.max_batch_size > 0):
+            errors.append(
+                f"ensemble '{name}': ensemble output '{t.name}' has shape {_fmt_shape(shape)} "
+                f"but {info.source} has shape {_fmt_shape(info.shape)}"
+            )
+    return errors
+
+
+def _unused_tensor_errors(
+    config: ModelConfig, tensors: Mapping[str, _TensorInfo], consumed: set[str]
+) -> list[str]:
+    """Every step output is consumed by a step or returned as an ensemble output."""
+    outputs = {t.name for t in config.output}
+    return [
+        f"ensemble '{config.name}': tensor '{tensor}' ({info.source}) is neither consumed "
+        "by a step nor an ensemble output"
+        for tensor, info in tensors.items()
+        if info.step is not None and tensor not in consumed and tensor not in outputs
+    ]
+
+
+def _reachability_errors(
+    config: ModelConfig, graph: EnsembleGraph, tensors: Mapping[str, _TensorInfo]
+) -> list[str]:
+    """Outputs must be computable from the inputs (a step whose inputs never exist never runs)."""
+    available = {t.name for t in config.input}
+    ran: set[int] = set()
+    progress = True
+    while progress:
+        progress = False
+        for step in graph.steps:
+            if step.index not in ran and all(t in available for _, t in step.inputs):
+                ran.add(step.index)
+                available.update(t for _, t in step.outputs)
+                progress = True
+    errors = []
+    for t in config.output:
+        info = tensors.get(t.name)
+        if info is not None and info.step is not None and t.name not in available:
+            errors.append(
+                f"ensemble '{config.name}': ensemble output '{t.name}' is not reachable from "
+                "the ensemble inputs (the steps leading to it wait on each other or on "
+                "tensors nobody produces)"
+            )
+    return errors
+
+
+def _decoupled_errors(
+    config: ModelConfig, graph: EnsembleGraph, models: Mapping[str, ModelConfig]
+) -> list[str]:
+    """A step (or the ensemble's outputs) may not combine iterations of different decoupled
+    producers; an ensemble containing a decoupled model is itself one."""
+    origin: dict[str, frozenset[int]] = {t.name: frozenset() for t in config.input}
+    errors = []
+
+    def describe(sources: frozenset[int]) -> str:
+        return ", ".join(
+            f"step[{i}] (model '{graph.steps[i].model_name}')" for i in sorted(sources)
+        )
+
+    # Steps in dependency order; unreachable ones were reported already.
+    pending = list(graph.steps)
+    while pending:
+        ready = [s for s in pending if all(t in origin for _, t in s.inputs)]
+        if not ready:
+            break
+        for step in ready:
+            pending.remove(step)
+            sources = frozenset().union(*(origin[t] for _, t in step.inputs))
+            if len(sources) > 1:
+                errors.append(
+                    f"{step.describe(config.name)}: takes inputs from different decoupled "
+                    f"producers: {describe(sources)}"
+                )
+            if len(sources) > 1:
+                sources = frozenset()  # reported above: do not report it again downstream
+            decoupled = is_decoupled(step.model_name, models)
+            produced = frozenset({step.index}) if decoupled else sources
+            for _, t in step.outputs:
+                origin[t] = produced
+    outputs = frozenset().union(*(origin.get(t.name, frozenset()) for t in config.output))
+    if len(outputs) > 1:
+        errors.append(
+            f"ensemble '{config.name}': its outputs come from different decoupled producers: "
+            f"{describe(outputs)}"
+        )
+    return errors
