@@ -1,11 +1,13 @@
 """`serve`: a model repository behind the HTTP, gRPC and metrics endpoints, Triton-style.
 
-How this works: `serve` opens the server (models, cache, tracing, metrics), then the HTTP
-and gRPC front ends, reports where they listen through its ``task_status``, and runs until
-cancelled (everything stops at once) or until its `Shutdown` is requested. That stop is
-graceful and bounded: readiness turns false, both front ends stop accepting, requests in
-flight get up to ``exit_timeout`` seconds, then whatever is left is cancelled, the models
-close, and `serve` returns.
+How this works: `serve` checks its options (`_checked_mode`), opens the server (models,
+cache, tracing, metrics) and its model control (`_open_model_control`), then starts the
+HTTP and gRPC front ends (`_start_http`, `_start_grpc`), reports where they listen through
+its ``task_status``, and runs (polling the repository in poll mode: `_run_until_stopped`)
+until cancelled (everything stops at once) or until its `Shutdown` is requested. That
+stop is graceful and bounded: readiness turns false, both front ends stop accepting,
+requests in flight get up to ``exit_timeout`` seconds, then whatever is left is cancelled,
+the models close, and `serve` returns.
 
 `ServeOptions` holds the one definition of every ``orchestrion serve`` default: the command
 line takes its defaults from it.
@@ -22,7 +24,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from .._server import open_server
+from .._server import AsyncServer, open_server
 from ..protocols import ConfigError
 from ..protocols._errors import ungrouped
 from ._control import (
@@ -99,6 +101,49 @@ async def serve(
         ModelLoadError: a model's code failed to load.
         CacheUnavailableError: the cache's backend cannot be reached.
     """
+    mode = _checked_mode(options)
+    version = version or _version()
+    shutdown = shutdown or Shutdown()
+    baseline: dict[str, object] = {}
+    if mode is ModelControlMode.POLL:  # before loading: no change is missed
+        baseline = await trio.to_thread.run_sync(repository_fingerprints, options.model_repository)
+    async with open_server(
+        options.model_repository,
+        load_models=[] if mode is ModelControlMode.EXPLICIT else None,
+        cache_config=list(options.cache_config) or None,
+        metrics_port=options.metrics_port,
+        metrics_host=options.metrics_address,
+        tracing=options.tracing,
+    ) as server:
+        control = await _open_model_control(server, options, mode)
+        # The stop's steps run in the order they are tied to ``shutdown``: readiness turns
+        # false, the HTTP and gRPC front ends stop accepting, polling ends. Leaving the
+        # nursery then waits (each front end at most exit_timeout) for requests in flight;
+        # the models close after it.
+        async with ungrouped(trio.open_nursery()) as front_ends:
+            with shutdown.on_request(control.stop_accepting):
+                http = await _start_http(front_ends, server, control, version, options, shutdown)
+                grpc = await _start_grpc(front_ends, server, control, version, options, shutdown)
+                metrics = server.metrics_url
+                task_status.started(
+                    Endpoints(
+                        http=http,
+                        grpc=grpc,
+                        metrics=metrics.removeprefix("http://").removesuffix("/metrics")
+                        if metrics
+                        else None,
+                    )
+                )
+                await _run_until_stopped(control, mode, options.poll_interval, baseline, shutdown)
+
+
+def _checked_mode(options: ServeOptions) -> ModelControlMode:
+    """``options``' model control mode, once the options that can be checked before
+    anything loads are.
+
+    Raises:
+        ConfigError: an option is invalid, or contradicts another.
+    """
     try:
         mode = ModelControlMode(options.model_control_mode)
     except ValueError:
@@ -112,80 +157,95 @@ async def serve(
         raise ConfigError("--exit-timeout-secs must be >= 0 and --repository-poll-secs > 0")
     if not options.model_repository.is_dir():
         raise ConfigError(f"{options.model_repository}: model repository is not a directory")
-    version = version or _version()
-    shutdown = shutdown or Shutdown()
-    explicit = mode is ModelControlMode.EXPLICIT
-    baseline: dict[str, object] = {}
-    if mode is ModelControlMode.POLL:  # before loading: no change is missed
-        baseline = await trio.to_thread.run_sync(repository_fingerprints, options.model_repository)
-    async with open_server(
-        options.model_repository,
-        load_models=[] if explicit else None,
-        cache_config=list(options.cache_config) or None,
-        metrics_port=options.metrics_port,
-        metrics_host=options.metrics_address,
-        tracing=options.tracing,
-    ) as server:
-        control = ModelControl(server, mode=mode, strict_readiness=options.strict_readiness)
-        if explicit:
-            await control.load_at_start(options.load_models)
-        # Everything loaded so far (JAX, the models, compiled functions) lives as long as the
-        # server: move it out of the garbage collector's sight. Otherwise every full
-        # collection walks it all while requests wait: under perf_analyzer at concurrency 64,
-        # p99 went from 75-92 ms to 18-24 ms with this (p50 unchanged, 12-13 ms).
-        gc.collect()
-        gc.freeze()
-        # The stop's steps run in the order they are tied to ``shutdown``: readiness turns
-        # false, the HTTP and gRPC front ends stop accepting, polling ends. Leaving the
-        # nursery then waits (each front end at most exit_timeout) for requests in flight;
-        # the models close after it.
-        async with ungrouped(trio.open_nursery()) as front_ends:
-            with shutdown.on_request(control.stop_accepting):
-                http = grpc_ = None
-                if options.http_port is not None:
-                    api = HttpApi(server, control, version, options.http_max_input_size)
-                    http = await front_ends.start(
-                        functools.partial(
-                            serve_http_api,
-                            api,
-                            options.http_address,
-                            options.http_port,
-                            shutdown=shutdown,
-                            exit_timeout=options.exit_timeout,
-                            header_timeout=options.http_header_timeout,
-                            body_timeout=options.http_body_timeout,
-                            max_connections=options.http_max_connections,
-                        )
-                    )
-                if options.grpc_port is not None:
-                    grpc_ = await front_ends.start(
-                        functools.partial(
-                            serve_grpc_api,
-                            server,
-                            control,
-                            version,
-                            options.grpc_address,
-                            options.grpc_port,
-                            shutdown=shutdown,
-                            exit_timeout=options.exit_timeout,
-                            max_message_size=options.grpc_max_message_size,
-                        )
-                    )
-                metrics = server.metrics_url
-                task_status.started(
-                    Endpoints(
-                        http=http,
-                        grpc=grpc_,
-                        metrics=metrics.removeprefix("http://").removesuffix("/metrics")
-                        if metrics
-                        else None,
-                    )
-                )
-                with trio.CancelScope() as polling, shutdown.on_request(polling.cancel):
-                    if mode is ModelControlMode.POLL:
-                        await control.poll(options.poll_interval, baseline)
-                    else:
-                        await trio.sleep_forever()
+    return mode
+
+
+async def _open_model_control(
+    server: AsyncServer, options: ServeOptions, mode: ModelControlMode
+) -> ModelControl:
+    """The model control of ``server``, with explicit mode's ``--load-model`` models
+    loaded, and everything loaded so far frozen out of the garbage collector's sight."""
+    control = ModelControl(server, mode=mode, strict_readiness=options.strict_readiness)
+    if mode is ModelControlMode.EXPLICIT:
+        await control.load_at_start(options.load_models)
+    # Everything loaded so far (JAX, the models, compiled functions) lives as long as the
+    # server: move it out of the garbage collector's sight. Otherwise every full
+    # collection walks it all while requests wait: under perf_analyzer at concurrency 64,
+    # p99 went from 75-92 ms to 18-24 ms with this (p50 unchanged, 12-13 ms).
+    gc.collect()
+    gc.freeze()
+    return control
+
+
+async def _start_http(
+    front_ends: trio.Nursery,
+    server: AsyncServer,
+    control: ModelControl,
+    version: str,
+    options: ServeOptions,
+    shutdown: Shutdown,
+) -> str | None:
+    """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
+    if options.http_port is None:
+        return None
+    api = HttpApi(server, control, version, options.http_max_input_size)
+    address: str = await front_ends.start(
+        functools.partial(
+            serve_http_api,
+            api,
+            options.http_address,
+            options.http_port,
+            shutdown=shutdown,
+            exit_timeout=options.exit_timeout,
+            header_timeout=options.http_header_timeout,
+            body_timeout=options.http_body_timeout,
+            max_connections=options.http_max_connections,
+        )
+    )
+    return address
+
+
+async def _start_grpc(
+    front_ends: trio.Nursery,
+    server: AsyncServer,
+    control: ModelControl,
+    version: str,
+    options: ServeOptions,
+    shutdown: Shutdown,
+) -> str | None:
+    """Start the gRPC front end in ``front_ends``; where it listens (None: disabled)."""
+    if options.grpc_port is None:
+        return None
+    address: str = await front_ends.start(
+        functools.partial(
+            serve_grpc_api,
+            server,
+            control,
+            version,
+            options.grpc_address,
+            options.grpc_port,
+            shutdown=shutdown,
+            exit_timeout=options.exit_timeout,
+            max_message_size=options.grpc_max_message_size,
+        )
+    )
+    return address
+
+
+async def _run_until_stopped(
+    control: ModelControl,
+    mode: ModelControlMode,
+    poll_interval: float,
+    baseline: dict[str, object],
+    shutdown: Shutdown,
+) -> None:
+    """Poll the repository (poll mode) or wait, until ``shutdown`` is requested or this is
+    cancelled."""
+    with trio.CancelScope() as polling, shutdown.on_request(polling.cancel):
+        if mode is ModelControlMode.POLL:
+            await control.poll(poll_interval, baseline)
+        else:
+            await trio.sleep_forever()
 
 
 def _version() -> str:

@@ -1,0 +1,286 @@
+"""The ``orchestrion`` command's server flags: their declarations, and what they become.
+
+How this works: `add_server_flags` declares the cache and telemetry flags ``run`` and
+``serve`` share, `add_serve_flags` Triton's ``tritonserver`` flags of ``serve``, one function
+per flag group (endpoints, limits, models). ``serve``'s flags have no defaults of their own:
+each is `ServeOptions`' (`_default`), so the command line and the embedding API cannot
+drift apart. Once parsed, `cache_settings` checks the cache flags (errors come before
+anything loads) and `serve_settings` turns ``serve``'s flags into `ServeOptions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from rich.console import Console
+
+from ..protocols import ConfigError, parse_cache_config
+from ._control import ModelControlMode
+from ._http_server import MAX_DEFAULT_CONNECTIONS
+from ._serve import LOOPBACK, ServeOptions
+
+
+def _default(field: str) -> Any:
+    """`ServeOptions`' default for ``field``: the ``orchestrion serve`` flags have none of
+    their own."""
+    return attrs.fields_dict(ServeOptions)[field].default
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def _flag(text: str) -> bool:
+    """Triton's boolean flag values (``--allow-metrics=false``)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_server_flags(
+    command: argparse.ArgumentParser,
+    *,
+    default_cache: Sequence[str],
+    default_metrics_port: int | None,
+) -> None:
+    """The cache and telemetry flags `run` and `serve` share, with the command's defaults."""
+    _add_cache_flags(command, default_cache)
+    _add_telemetry_flags(command, default_metrics_port)
+
+
+def _add_cache_flags(command: argparse.ArgumentParser, default_cache: Sequence[str]) -> None:
+    cache = command.add_argument_group("response cache (models opt in with response_cache)")
+    cache.add_argument(
+        "--cache-config",
+        action="append",
+        metavar="NAME,KEY=VALUE",
+        help=f"Triton's flag, repeatable: local,size=BYTES or redis,host=H ... "
+        f"(default: {' '.join(default_cache) or 'no cache'})",
+    )
+    cache.add_argument(
+        "--response-cache-byte-size",
+        type=int,
+        metavar="BYTES",
+        help="deprecated (as in Triton): the same as --cache-config local,size=BYTES",
+    )
+    cache.add_argument("--no-cache", action="store_true", help="run without a response cache")
+
+
+def _add_telemetry_flags(
+    command: argparse.ArgumentParser, default_metrics_port: int | None
+) -> None:
+    telemetry = command.add_argument_group("telemetry")
+    telemetry.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default_metrics_port,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://<metrics-host>:PORT/metrics"
+        + (f" (default: {default_metrics_port})" if default_metrics_port else ""),
+    )
+    telemetry.add_argument(
+        "--metrics-host",
+        "--metrics-address",
+        dest="metrics_host",
+        metavar="ADDRESS",
+        help="the address the metrics endpoint binds (default: loopback only)",
+    )
+    telemetry.add_argument(
+        "--trace-config",
+        action="append",
+        metavar="[opentelemetry,]KEY=VALUE",
+        help="Triton's flag, repeatable: mode=opentelemetry, rate=N (1 in N traced), "
+        "opentelemetry,url=http://localhost:4318/v1/traces (default: the OTEL_* variables)",
+    )
+
+
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """Triton's ``tritonserver`` flags, with `ServeOptions`' defaults (Triton's, but
+    loopback addresses)."""
+    serve.add_argument("--model-repository", required=True, type=Path)
+    network = serve.add_argument_group("network (binds loopback unless told otherwise)")
+    _add_endpoint_flags(network)
+    _add_limit_flags(network)
+    _add_model_flags(serve.add_argument_group("models"))
+    serve.add_argument(
+        "--log-verbose", type=int, default=0, metavar="LEVEL", help="> 0: debug logging"
+    )
+    add_server_flags(
+        serve,
+        default_cache=_default("cache_config"),
+        default_metrics_port=_default("metrics_port"),
+    )
+
+
+def _add_endpoint_flags(network: argparse._ArgumentGroup) -> None:
+    """Where the HTTP, gRPC and metrics endpoints listen, and whether they do."""
+    network.add_argument(
+        "--host", default=LOOPBACK, metavar="ADDRESS", help="address of every endpoint"
+    )
+    for name in ("http", "grpc"):
+        port = _default(f"{name}_port")
+        network.add_argument(f"--{name}-port", type=int, default=port, metavar="PORT")
+        network.add_argument(f"--{name}-address", metavar="ADDRESS", help="overrides --host")
+        network.add_argument(
+            f"--allow-{name}",
+            type=_flag,
+            nargs="?",
+            const=True,
+            default=port is not None,
+            metavar="BOOL",
+        )
+    network.add_argument(
+        "--allow-metrics",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=_default("metrics_port") is not None,
+        metavar="BOOL",
+    )
+
+
+def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
+    """What the HTTP and gRPC front ends accept: sizes, connections, timeouts."""
+    max_input = _default("http_max_input_size")
+    network.add_argument(
+        "--http-max-input-size",
+        type=int,
+        default=max_input,
+        metavar="BYTES",
+        help=f"largest HTTP request body accepted (default: {_mib(max_input)}, as Triton)",
+    )
+    network.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=_default("http_max_connections"),
+        metavar="N",
+        help="HTTP connections served at once; more get 503 (default: half the open-file "
+        f"limit, at most {MAX_DEFAULT_CONNECTIONS})",
+    )
+    header_timeout = _default("http_header_timeout")
+    network.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=header_timeout,
+        metavar="SECONDS",
+        help=f"time a request head may take to arrive (408 beyond; default: {header_timeout:g})",
+    )
+    body_timeout = _default("http_body_timeout")
+    network.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=body_timeout,
+        metavar="SECONDS",
+        help=f"time a request body may go without progress (408 beyond; default: {body_timeout:g})",
+    )
+    max_message = _default("grpc_max_message_size")
+    network.add_argument(
+        "--grpc-max-message-size",
+        type=int,
+        default=max_message,
+        metavar="BYTES",
+        help=f"largest gRPC message accepted or sent (default: {_mib(max_message)}; Triton's "
+        "is 2 GiB - 1: a request costs 6-7x its size in memory at its peak)",
+    )
+
+
+def _add_model_flags(models: argparse._ArgumentGroup) -> None:
+    """Model control (none, explicit, poll), readiness and the graceful stop."""
+    models.add_argument(
+        "--model-control-mode",
+        choices=[mode.value for mode in ModelControlMode],
+        default=_default("model_control_mode"),
+    )
+    models.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: a model to load at start (repeatable; * for all)",
+    )
+    models.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=_default("poll_interval"),
+        metavar="SECONDS",
+    )
+    models.add_argument(
+        "--strict-readiness",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=_default("strict_readiness"),
+        metavar="BOOL",
+    )
+    models.add_argument(
+        "--exit-timeout-secs",
+        type=float,
+        default=_default("exit_timeout"),
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long requests in flight may take to finish",
+    )
+
+
+def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
+    """``serve``'s parsed flags as `ServeOptions` (cache warnings go to ``console``).
+
+    Raises:
+        ConfigError: malformed cache flags, or flags that contradict each other.
+    """
+    host = args.host
+    return ServeOptions(
+        model_repository=args.model_repository,
+        http_address=args.http_address or host,
+        http_port=args.http_port if args.allow_http else None,
+        grpc_address=args.grpc_address or host,
+        grpc_port=args.grpc_port if args.allow_grpc else None,
+        metrics_address=args.metrics_host or host,
+        metrics_port=args.metrics_port if args.allow_metrics else None,
+        cache_config=cache_settings(args, console, default=_default("cache_config")),
+        tracing=args.trace_config,
+        model_control_mode=ModelControlMode(args.model_control_mode),
+        load_models=tuple(args.load_model),
+        strict_readiness=args.strict_readiness,
+        exit_timeout=args.exit_timeout_secs,
+        poll_interval=args.repository_poll_secs,
+        http_max_input_size=args.http_max_input_size,
+        http_max_connections=args.http_max_connections,
+        http_header_timeout=args.http_header_timeout,
+        http_body_timeout=args.http_body_timeout,
+        grpc_max_message_size=args.grpc_max_message_size,
+    )
+
+
+def cache_settings(
+    args: argparse.Namespace, console: Console, *, default: Sequence[str]
+) -> list[str]:
+    """The ``--cache-config`` values to run with (checked here, so errors come first);
+    ``default`` without cache flags (empty: no cache).
+
+    Raises:
+        ConfigError: malformed flags, or flags that contradict each other.
+    """
+    flags: list[str] = list(args.cache_config or [])
+    if args.no_cache:
+        if flags or args.response_cache_byte_size is not None:
+            raise ConfigError("--no-cache cannot be combined with a cache flag")
+        return []
+    if not flags and args.response_cache_byte_size is None:
+        if not default:
+            return []  # serve, as Triton: no cache unless asked for
+        flags = list(default)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        settings = parse_cache_config(flags, response_cache_byte_size=args.response_cache_byte_size)
+    for warning in caught:
+        console.print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
+    assert settings is not None
+    return [f"{settings.name},{k}={v}" for k, v in settings.options.items()]

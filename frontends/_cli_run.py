@@ -1,0 +1,275 @@
+"""``orchestrion run``: load an example pipeline, drive it with requests, summarise the run.
+
+How this works: `add_run_flags` declares the command's flags; `run_command` checks them,
+opens the example's repository in process (`open_server`, with `DEFAULT_CACHE` unless told
+otherwise) and drives it: ``--concurrency`` client tasks share one iterator of request
+indices (`_drive`), each timing its requests (a decoupled model's responses are streamed
+and counted, with the peak of intermediates in flight per step), under a progress bar.
+`_summary` then prints the latency and throughput table, the executions per model and the
+cache's statistics. Failed requests (an `OrchestrionError`, or the example's check
+failing) are counted and listed, not raised: the command exits 1 if any did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+
+import attrs
+import numpy as np
+import trio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .._server import AsyncServer, open_server
+from ..protocols import OrchestrionError
+from ._cli_flags import add_server_flags, cache_settings
+from ._examples import Example, load_example
+from ._serve import LOOPBACK
+
+DEFAULT_CACHE = ("local,size=268435456",)
+"""The embedded default of `orchestrion run`: a 256 MiB local cache (`serve`'s is
+`ServeOptions`': none, as Triton)."""
+
+
+def add_run_flags(command: argparse.ArgumentParser) -> None:
+    """``orchestrion run``'s flags: the example, the load, and the shared server flags."""
+    command.add_argument("example", help="a folder under examples/ (image_pipeline) or a path")
+    command.add_argument(
+        "-n", "--requests", type=int, help="number of requests (default: the example's)"
+    )
+    command.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
+    command.add_argument("--seed", type=int, default=0, help="seed of the input generator")
+    add_server_flags(command, default_cache=DEFAULT_CACHE, default_metrics_port=None)
+    command.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep the server (and its metrics endpoint) up this long after the run",
+    )
+
+
+def run_command(args: argparse.Namespace, console: Console) -> int:
+    """Run ``args``' example and print its summary; the command's exit status (2: bad
+    flags, 1: some requests failed).
+
+    Raises:
+        ConfigError: the example, its repository or a flag is invalid.
+        ModelLoadError: a model's code failed to load.
+        CacheUnavailableError: the cache's backend cannot be reached.
+    """
+    example = load_example(args.example)
+    requests = args.requests if args.requests is not None else example.requests
+    concurrency = args.concurrency if args.concurrency is not None else example.concurrency
+    if requests < 1 or concurrency < 1:
+        console.print("[red]error:[/red] --requests and --concurrency must be >= 1")
+        return 2
+    if args.linger < 0:
+        console.print("[red]error:[/red] --linger must be >= 0")
+        return 2
+    options = _RunOptions(
+        cache=cache_settings(args, console, default=DEFAULT_CACHE),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host or LOOPBACK,
+        tracing=args.trace_config,
+        linger=args.linger,
+    )
+    return trio.run(_run, example, requests, concurrency, args.seed, options, console)
+
+
+@attrs.frozen
+class _RunOptions:
+    cache: list[str]
+    metrics_port: int | None
+    metrics_host: str
+    tracing: list[str] | None
+    linger: float
+
+
+async def _run(
+    example: Example,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    options: _RunOptions,
+    console: Console,
+) -> int:
+    console.print(f"[bold]{example.name}[/bold]: {example.description}", highlight=False)
+    started = time.perf_counter()
+    async with open_server(
+        example.model_repository,
+        cache_config=options.cache,
+        metrics_port=options.metrics_port,
+        metrics_host=options.metrics_host,
+        tracing=options.tracing,
+    ) as server:
+        console.print(
+            f"loaded {len(server.model_names())} models in {time.perf_counter() - started:.1f} s"
+        )
+        if server.metrics_url is not None:
+            console.print(f"metrics at {server.metrics_url}", highlight=False)
+        counts: dict[str, int] = {}
+        peaks: dict[int, int] = {}
+        latencies, errors, wall = await _drive(
+            server, example, requests, concurrency, seed, console, counts, peaks
+        )
+        _summary(server, example, latencies, errors, wall, concurrency, console)
+        if server._registry.decoupled(example.model):
+            steps = ", ".join(
+                f"step[{s.step}] {s.model_name}: {peaks.get(s.step, 0)} "
+                f"(limit {s.max_inflight_requests or 'none'})"
+                for s in server.step_statistics(example.model)
+            )
+            console.print(
+                f"streamed {counts['responses']} responses ({counts['responses'] / wall:,.1f}"
+                f"/s); peak intermediates in flight per step: {steps}",
+                highlight=False,
+            )
+        if options.linger:
+            console.print(f"serving for {options.linger:g} s more (Ctrl-C to stop)")
+            await trio.sleep(options.linger)
+    return 1 if errors else 0
+
+
+async def _drive(
+    server: AsyncServer,
+    example: Example,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    console: Console,
+    counts: dict[str, int],
+    peaks: dict[int, int],
+) -> tuple[list[float], list[str], float]:
+    """Send the requests; return latencies (s), error lines and the wall time (s)."""
+    counts["responses"] = 0
+    rng = np.random.default_rng(seed)
+    inputs = [example.make_inputs(i, rng) for i in range(requests)]
+    latencies: list[float] = []
+    errors: list[str] = []
+    next_index = iter(range(requests))
+    progress = _progress(console)
+    task = progress.add_task("infer", total=requests)
+
+    streaming = server._registry.decoupled(example.model)
+
+    async def one(index: int) -> None:
+        if not streaming:
+            response = await server.infer(example.model, inputs[index], request_id=str(index))
+            if example.check is not None:
+                example.check(inputs[index], response.outputs)
+            return
+        stream = server.stream_infer(example.model, inputs[index], request_id=str(index))
+        async with contextlib.aclosing(stream) as responses:
+            async for response in responses:
+                counts["responses"] += 1
+                for s in server.step_statistics(example.model):
+                    peaks[s.step] = max(peaks.get(s.step, 0), s.in_flight + s.queued)
+                if example.check is not None:
+                    example.check(inputs[index], response.outputs)
+
+    async def client() -> None:
+        for index in next_index:
+            start = time.perf_counter()
+            try:
+                await one(index)
+            except (OrchestrionError, AssertionError) as exc:
+                errors.append(f"request {index}: {type(exc).__name__}: {exc}")
+            else:
+                latencies.append(time.perf_counter() - start)
+            progress.advance(task)
+
+    async def refresher() -> None:
+        while True:
+            progress.refresh()
+            await trio.sleep(0.1)
+
+    started = time.perf_counter()
+    with progress:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(refresher)
+            async with trio.open_nursery() as clients:
+                for _ in range(min(concurrency, requests)):
+                    clients.start_soon(client)
+            nursery.cancel_scope.cancel()
+        progress.refresh()
+    return latencies, errors, time.perf_counter() - started
+
+
+def _progress(console: Console) -> Progress:
+    """The requests' progress bar, refreshed by `_drive` (every 0.1 s, and at the end)."""
+    return Progress(
+        TextColumn("requests"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        auto_refresh=False,
+        transient=False,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _summary(
+    server: AsyncServer,
+    example: Example,
+    latencies: list[float],
+    errors: list[str],
+    wall: float,
+    concurrency: int,
+    console: Console,
+) -> None:
+    requests = len(latencies) + len(errors)
+    table = Table(title=f"{example.name}: {requests} requests at concurrency {concurrency}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("requests", str(requests))
+    table.add_row("errors", str(len(errors)))
+    table.add_row("throughput", f"{requests / wall:,.1f} req/s")
+    table.add_row("p50 latency", f"{_percentile(latencies, 50) * 1e3:.2f} ms")
+    table.add_row("p99 latency", f"{_percentile(latencies, 99) * 1e3:.2f} ms")
+    console.print(table)
+    models = Table(title="executions per model")
+    every = server.model_statistics()
+    longest = max((len(s.name) for s in every), default=5)
+    models.add_column("model", no_wrap=True, min_width=longest)
+    for column in ("version", "ok", "failed", "cache hits", "execs", "compute"):
+        models.add_column(column, justify="right")
+    for s in every:
+        n = s.execution_count
+        compute = s.inference_stats.compute_infer.ns / n / 1e6 if n else 0.0
+        hits, misses = s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count
+        models.add_row(
+            s.name,
+            str(s.version),
+            str(s.inference_stats.success.count),
+            str(s.inference_stats.fail.count),
+            f"{hits}/{hits + misses}" if hits + misses else "-",
+            str(n) if s.name != example.model else "-",
+            f"{compute:.2f} ms" if n else "-",
+        )
+    console.print(models)
+    cache = server.cache_statistics()
+    if cache is not None:
+        utilization = cache.utilization
+        console.print(
+            f"cache [bold]{cache.name}[/bold]: {cache.hits} hits, {cache.misses} misses, "
+            f"{cache.coalesced} joined an identical running request, "
+            f"{cache.entries if cache.entries is not None else '?'} entries"
+            + (f", {utilization:.1%} full" if utilization is not None else "")
+            + (f", {cache.evictions} evictions" if cache.evictions else ""),
+            highlight=False,
+        )
+    for line in errors[:5]:
+        console.print(f"[red]{line}[/red]", highlight=False)
+    if len(errors) > 5:
+        console.print(f"[red]... and {len(errors) - 5} more errors[/red]")
