@@ -29,7 +29,7 @@ from orchestrion.protocols import (
     frozen_outputs,
 )
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "sqlite_cache"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "sqlite_cache"
 KINDS = ["local", "redis", "sqlite"]
 
 

@@ -178,7 +178,7 @@ def test_the_state_follows_the_instance_device(tmp_path: Path) -> None:
     script = tmp_path / "devices.py"
     script.write_text(DEVICES_SCRIPT)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     done = subprocess.run(
         [sys.executable, str(script), tests], env=env, capture_output=True, text=True, timeout=120
     )

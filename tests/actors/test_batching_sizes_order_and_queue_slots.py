@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from test_batching import batching, plain, row
+from batching_models import batching, plain, row
 
 import orchestrion
 from builders import outcome

@@ -1,0 +1,86 @@
+"""The public surface: the names the top-level package exports, whose fault each error says,
+and subpackages that install under ``orchestrion`` only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import orchestrion
+
+
+def test_public_names() -> None:
+    """The top-level package exports exactly the documented API."""
+    assert orchestrion.__all__ == sorted(
+        [
+            "AsyncServer",
+            "CacheStatistics",
+            "CacheUnavailableError",
+            "CacheWriteRefusedError",
+            "ConfigError",
+            "DataType",
+            "EnsembleScheduling",
+            "EnsembleStep",
+            "InferRequest",
+            "InferResponse",
+            "InferenceError",
+            "InferenceTimeoutError",
+            "InstanceGroup",
+            "InstanceKind",
+            "InvalidRequestError",
+            "Model",
+            "ModelConfig",
+            "ModelControlError",
+            "ModelLoadError",
+            "ModelNotFoundError",
+            "ModelStatistics",
+            "Observer",
+            "OrchestrionError",
+            "QueueFullError",
+            "QueueTimeoutError",
+            "ResponseCache",
+            "Server",
+            "ServerClosedError",
+            "StepStatistics",
+            "TensorConfig",
+            "open_server",
+        ]
+    )
+    for name in orchestrion.__all__:
+        assert getattr(orchestrion, name).__doc__, name
+    with pytest.raises(AttributeError):
+        orchestrion.nothing_here  # noqa: B018
+
+
+def test_errors_say_whose_fault() -> None:
+    """Caller mistakes are ValueErrors/LookupErrors, pipeline failures RuntimeErrors."""
+    assert issubclass(orchestrion.InvalidRequestError, ValueError)
+    assert issubclass(orchestrion.ModelNotFoundError, LookupError)
+    assert issubclass(orchestrion.ConfigError, ValueError)
+    assert issubclass(orchestrion.InferenceError, RuntimeError)
+    assert issubclass(orchestrion.InferenceTimeoutError, TimeoutError)
+    for name in orchestrion.__all__:
+        value = getattr(orchestrion, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, orchestrion.OrchestrionError)
+
+
+def test_subpackages_install_under_orchestrion_only(tmp_path: Path) -> None:
+    """actors/, caches/... are importable as orchestrion.* and never as top-level modules."""
+    code = (
+        "import importlib.util, orchestrion.actors, orchestrion.caches, orchestrion.telemetry\n"
+        "print([n for n in ('actors', 'caches', 'protocols', 'telemetry') "
+        "if importlib.util.find_spec(n) is not None])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "[]"
