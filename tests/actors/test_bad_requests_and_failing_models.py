@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import orchestrion
-from builders import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, model, step, tensor
 
 
 def models() -> list[orchestrion.Model]:

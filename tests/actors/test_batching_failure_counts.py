@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import model, outcome, tensor
 from orchestrion.protocols import DynamicBatching, InferenceTimeoutError, QueuePolicy
+from orchestrion.testing import model, outcome, tensor
 
 
 async def test_a_queue_policy_timeout_counts_as_rejected() -> None:

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
-from batching_models import ROW, batching, plain, row
 
 import orchestrion
-from builders import assert_idle, ensemble, outcome, step, tensor
 from orchestrion.protocols import InferenceError
+from orchestrion.testing import assert_idle, ensemble, outcome, step, tensor
+from support.batching import ROW, batching, plain, row
 
 
 def recorder(calls: list[int], tasks: list[object] | None = None) -> Any:

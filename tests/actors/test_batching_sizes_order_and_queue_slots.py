@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from batching_models import batching, plain, row
 
 import orchestrion
-from builders import outcome
 from orchestrion.protocols import QueuePolicy
+from orchestrion.testing import outcome
+from support.batching import batching, plain, row
 
 ROW = (4,)
 

@@ -6,23 +6,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import attrs
-import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import orchestrion
-from builders import assert_idle, ensemble, model, step, tensor
-from orchestrion.protocols import InferenceError, InvalidRequestError, ModelTransactionPolicy
+from orchestrion.protocols import InferenceError, InvalidRequestError
+from orchestrion.testing import assert_idle, decoupled, ensemble, model, step, tensor
+from support.decoupled import single
 
 ONE = (1,)
-
-
-def decoupled(name: str, execute: Any) -> orchestrion.Model:
-    m = model(name, execute, [tensor("X", dims=ONE)], [tensor("Y", dims=ONE)], jit=False)
-    policy = ModelTransactionPolicy(decoupled=True)
-    return attrs.evolve(m, config=attrs.evolve(m.config, model_transaction_policy=policy))
 
 
 def repeat(X: Any) -> Any:
@@ -35,14 +28,10 @@ def plain(name: str, fn: Any) -> orchestrion.Model:
     return model(name, fn, [tensor("X", dims=ONE)], [tensor("Y", dims=ONE)], jit=False)
 
 
-def value(v: float) -> np.ndarray:
-    return np.array([v], np.float32)
-
-
 async def collect(
     server: orchestrion.AsyncServer, name: str, v: float, out: str = "OUT"
 ) -> list[Any]:
-    async with contextlib.aclosing(server.stream_infer(name, {"IN": value(v)})) as responses:
+    async with contextlib.aclosing(server.stream_infer(name, {"IN": single(v)})) as responses:
         return [
             {k: float(a[0]) for k, a in r.outputs.items()}
             if out == "*"
@@ -72,7 +61,7 @@ async def test_producer_then_consumer() -> None:
         assert await collect(server, "pipe", 3) == [4.0, 4.0, 4.0]
         assert await collect(server, "pipe", 0) == []
         with pytest.raises(InvalidRequestError, match="'pipe' is decoupled.*stream_infer"):
-            await server.infer("pipe", {"IN": value(3)})
+            await server.infer("pipe", {"IN": single(3)})
         inc = server.model_statistics("inc")[0]
         pipe = server.model_statistics("pipe")[0]
     assert inc.execution_count == 3
@@ -140,7 +129,7 @@ async def test_an_error_mid_stream_comes_once_after_earlier_iterations() -> None
 
 
 async def drain_into(server: orchestrion.AsyncServer, got: list[float]) -> None:
-    async with contextlib.aclosing(server.stream_infer("pipe", {"IN": value(5)})) as responses:
+    async with contextlib.aclosing(server.stream_infer("pipe", {"IN": single(5)})) as responses:
         async for response in responses:
             got.append(float(response.outputs["OUT"][0]))
 
@@ -165,7 +154,7 @@ async def test_a_slow_consumer_suspends_the_producer() -> None:
         chain_of("fast", "slow", limit=1),
     ]
     async with orchestrion.open_server(models=models) as server:
-        async with contextlib.aclosing(server.stream_infer("pipe", {"IN": value(1)})) as stream:
+        async with contextlib.aclosing(server.stream_infer("pipe", {"IN": single(1)})) as stream:
             taken = 0
             async for _ in stream:
                 taken += 1
@@ -176,7 +165,7 @@ async def test_a_slow_consumer_suspends_the_producer() -> None:
         assert len(produced) <= 21
         for _ in range(16):  # sequential requests: no slot leaks
             produced.clear()
-            async with contextlib.aclosing(server.stream_infer("pipe", {"IN": value(1)})) as s:
+            async with contextlib.aclosing(server.stream_infer("pipe", {"IN": single(1)})) as s:
                 async for _ in s:
                     break
         assert_idle(server, "pipe")

@@ -6,8 +6,6 @@ import contextlib
 import threading
 from typing import Any
 
-import attrs
-import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -17,39 +15,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import orchestrion
-from builders import model, tensor
-from orchestrion.protocols import InferenceError, ModelTransactionPolicy
+from orchestrion.protocols import InferenceError
+from orchestrion.testing import decoupled
+from support.decoupled import arepeat, repeat, single
 
 
 class Boom(Exception):
     """The caller's block failing."""
 
 
-def decoupled(name: str, execute: Any) -> orchestrion.Model:
-    m = model(name, execute, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], jit=False)
-    policy = ModelTransactionPolicy(decoupled=True)
-    return attrs.evolve(m, config=attrs.evolve(m.config, model_transaction_policy=policy))
-
-
-async def arepeat(X: Any) -> Any:
-    for i in range(int(X[0])):
-        await trio.lowlevel.checkpoint()
-        yield {"Y": X * i}
-
-
-def repeat(X: Any) -> Any:
-    for i in range(int(X[0])):
-        yield {"Y": X * i}
-
-
 async def drain(server: orchestrion.AsyncServer) -> None:
-    async with contextlib.aclosing(server.stream_infer("f", {"X": value(1)})) as responses:
+    async with contextlib.aclosing(server.stream_infer("f", {"X": single(1)})) as responses:
         async for _ in responses:
             pass
-
-
-def value(v: float) -> np.ndarray:
-    return np.array([v], np.float32)
 
 
 async def test_server_error_mid_stream_is_not_a_clean_end(
@@ -63,7 +41,7 @@ async def test_server_error_mid_stream_is_not_a_clean_end(
         try:
             with trio.fail_after(100):
                 async with contextlib.aclosing(
-                    server.stream_infer("rep", {"X": value(10)})
+                    server.stream_infer("rep", {"X": single(10)})
                 ) as responses:
                     async for r in responses:
                         got.append(float(r.outputs["Y"][0]))
@@ -93,7 +71,7 @@ async def test_server_error_with_a_stream_queued_behind_a_busy_instance(
         try:
             with trio.fail_after(100):
                 async with contextlib.aclosing(
-                    server.stream_infer("rep", {"X": value(v)})
+                    server.stream_infer("rep", {"X": single(v)})
                 ) as responses:
                     async for _ in responses:
                         if slow:
@@ -141,7 +119,7 @@ async def test_a_stream_abandoned_while_waiting_for_a_slot_is_not_an_execution(
 
 
 async def drain_model(server: orchestrion.AsyncServer, name: str, v: float) -> None:
-    async with contextlib.aclosing(server.stream_infer(name, {"X": value(v)})) as responses:
+    async with contextlib.aclosing(server.stream_infer(name, {"X": single(v)})) as responses:
         async for _ in responses:
             pass
 
@@ -173,7 +151,7 @@ async def test_closing_with_an_unfinished_stream_held_by_the_caller(
     closed = False
     with trio.CancelScope() as scope:
         async with orchestrion.open_server(models=[decoupled("rep", arepeat)]) as server:
-            responses = server.stream_infer("rep", {"X": value(5)})
+            responses = server.stream_infer("rep", {"X": single(5)})
             await responses.__anext__()
             scope.deadline = trio.current_time() + 100
         closed = True
@@ -189,7 +167,7 @@ def test_blocking_iterator_held_unfinished_at_close() -> None:
 
     def run() -> None:
         with orchestrion.Server(models=[decoupled("rep", repeat)]) as server:
-            holder["it"] = it = server.stream_infer("rep", {"X": value(5)})
+            holder["it"] = it = server.stream_infer("rep", {"X": single(5)})
             next(it)
         done.set()
 
@@ -215,7 +193,7 @@ def test_blocking_iterator_finalized_after_an_error_exit_is_quiet() -> None:
             contextlib.suppress(Boom),
             orchestrion.Server(models=[decoupled("rep", repeat)]) as server,
         ):
-            it = server.stream_infer("rep", {"X": value(5)})
+            it = server.stream_infer("rep", {"X": single(5)})
             next(it)
             raise Boom
         del it

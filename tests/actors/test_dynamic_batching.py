@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from batching_models import ROW, batching, plain, row
 
 import orchestrion
-from builders import assert_idle, ensemble, model, outcome, step, tensor
 from orchestrion.protocols import (
     InferenceError,
     InferenceTimeoutError,
     QueueFullError,
     QueuePolicy,
 )
+from orchestrion.testing import assert_idle, ensemble, model, outcome, step, tensor
+from support.batching import ROW, batching, plain, row
 
 
 def recorder(calls: list[int], factor: float = 2.0) -> Any:

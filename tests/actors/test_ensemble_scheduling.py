@@ -12,7 +12,7 @@ import trio.testing
 
 import orchestrion
 import orchestrion.protocols
-from builders import StepRecorder, ensemble, model, step, tensor
+from orchestrion.testing import StepRecorder, ensemble, model, step, tensor
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 ROW = (1, 16)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchestrion
-from builders import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, model, step, tensor
 
 DIMS = (4,)
 

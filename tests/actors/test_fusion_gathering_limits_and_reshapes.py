@@ -15,9 +15,9 @@ import pytest
 import trio
 
 import orchestrion
-from builders import ensemble, fused, model, settled, step, tensor, with_fusion
 from orchestrion import InferenceError
 from orchestrion.protocols import DynamicBatching, Reshape
+from orchestrion.testing import ensemble, fused, model, settled, step, tensor, with_fusion
 
 MODES = ("on", "off")
 

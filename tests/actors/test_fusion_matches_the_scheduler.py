@@ -22,7 +22,10 @@ import pytest
 import trio
 
 import orchestrion
-from builders import (
+from orchestrion import InferenceError, InferenceTimeoutError
+from orchestrion.actors._runner import SWITCH_WINDOW
+from orchestrion.protocols import DynamicBatching
+from orchestrion.testing import (
     cached,
     chain,
     double,
@@ -34,9 +37,6 @@ from builders import (
     tensor,
     with_fusion,
 )
-from orchestrion import InferenceError, InferenceTimeoutError
-from orchestrion.actors._runner import SWITCH_WINDOW
-from orchestrion.protocols import DynamicBatching
 
 MODES = ("on", "off")
 

@@ -14,9 +14,18 @@ import pytest
 import trio
 
 import orchestrion
-from builders import StepRecorder, ensemble, fused, model, settled, step, tensor, with_fusion
 from orchestrion import InferenceError, InferenceTimeoutError
 from orchestrion.protocols import DynamicBatching
+from orchestrion.testing import (
+    StepRecorder,
+    ensemble,
+    fused,
+    model,
+    settled,
+    step,
+    tensor,
+    with_fusion,
+)
 
 RNG = np.random.default_rng(7)
 

@@ -15,7 +15,8 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import (
+from orchestrion.protocols import Reshape
+from orchestrion.testing import (
     StepRecorder,
     assert_idle,
     chain,
@@ -27,7 +28,6 @@ from builders import (
     step,
     tensor,
 )
-from orchestrion.protocols import Reshape
 
 X = np.ones(16, np.float32)
 

@@ -19,7 +19,8 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import (
+from orchestrion.actors import _ensemble as ensemble_module
+from orchestrion.testing import (
     StepRecorder,
     assert_idle,
     chain,
@@ -31,7 +32,6 @@ from builders import (
     step,
     tensor,
 )
-from orchestrion.actors import _ensemble as ensemble_module
 
 X = np.ones(16, np.float32)
 

@@ -18,13 +18,13 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import ensemble, model, step, tensor
 from orchestrion.protocols import (
     InferenceError,
     InferenceTimeoutError,
     InvalidRequestError,
     SequenceBatching,
 )
+from orchestrion.testing import ensemble, model, step, tensor
 
 X = np.ones(2, np.float32)
 
@@ -178,20 +178,17 @@ def test_the_state_follows_the_instance_device(tmp_path: Path) -> None:
     script = tmp_path / "devices.py"
     script.write_text(DEVICES_SCRIPT)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    tests = str(Path(__file__).parents[1])
     done = subprocess.run(
-        [sys.executable, str(script), tests], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-600:]  # observed: incompatible devices
 
 
 DEVICES_SCRIPT = """
-import sys
-sys.path.insert(0, sys.argv[1])
 import attrs, jax, jax.numpy as jnp, numpy as np, trio
 import orchestrion
 import orchestrion.actors._runner as runner
-from builders import model, tensor
+from orchestrion.testing import model, tensor
 from orchestrion.protocols import SequenceBatching
 
 runner._devices = lambda m: jax.devices("cpu")[:2]  # two instances, as on two GPUs

@@ -14,13 +14,13 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import ensemble, model, step, tensor
 from orchestrion.protocols import (
     ConfigError,
     InferenceError,
     InvalidRequestError,
     SequenceBatching,
 )
+from orchestrion.testing import ensemble, model, step, tensor
 
 X = np.ones(2, np.float32)
 

@@ -7,53 +7,30 @@ import contextlib
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import orchestrion
-from builders import model, tensor
 from orchestrion.actors import check_model
 from orchestrion.protocols import (
     InferenceError,
     InvalidRequestError,
-    ModelTransactionPolicy,
 )
-
-
-def decoupled(name: str, execute: Any) -> orchestrion.Model:
-    m = model(name, execute, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], jit=False)
-    policy = ModelTransactionPolicy(decoupled=True)
-    return attrs.evolve(m, config=attrs.evolve(m.config, model_transaction_policy=policy))
-
-
-def repeat(X: Any) -> Any:
-    """Yield X * i for i in range(X): value v gives v responses."""
-    for i in range(int(X[0])):
-        yield {"Y": X * i}
-
-
-async def arepeat(X: Any) -> Any:
-    for i in range(int(X[0])):
-        await trio.lowlevel.checkpoint()
-        yield {"Y": X * i}
-
-
-def value(v: float) -> np.ndarray:
-    return np.array([v], np.float32)
+from orchestrion.testing import decoupled, model, tensor
+from support.decoupled import arepeat, repeat, single
 
 
 async def drain_into(
     server: orchestrion.AsyncServer, name: str, v: float, got: list[float]
 ) -> None:
-    async with contextlib.aclosing(server.stream_infer(name, {"X": value(v)})) as responses:
+    async with contextlib.aclosing(server.stream_infer(name, {"X": single(v)})) as responses:
         async for response in responses:
             got.append(float(response.outputs["Y"][0]))
 
 
 async def collect(server: orchestrion.AsyncServer, name: str, v: float) -> list[float]:
-    async with contextlib.aclosing(server.stream_infer(name, {"X": value(v)})) as responses:
+    async with contextlib.aclosing(server.stream_infer(name, {"X": single(v)})) as responses:
         return [float(r.outputs["Y"][0]) async for r in responses]
 
 
@@ -73,7 +50,7 @@ async def test_plain_infer_on_a_decoupled_model_is_a_clear_error() -> None:
     """infer on a decoupled model says to use stream_infer, and counts as REJECTED."""
     async with orchestrion.open_server(models=[decoupled("rep", repeat)]) as server:
         with pytest.raises(InvalidRequestError, match="decoupled.*call stream_infer"):
-            await server.infer("rep", {"X": value(2)})
+            await server.infer("rep", {"X": single(2)})
         stats = server.model_statistics("rep")[0]
     assert stats.failures_by_reason == {"REJECTED": 1}
 
@@ -134,7 +111,7 @@ async def test_the_generator_runs_at_most_one_response_ahead() -> None:
             yield {"Y": X * i}
 
     async with orchestrion.open_server(models=[decoupled("many", counting)]) as server:
-        async with contextlib.aclosing(server.stream_infer("many", {"X": value(1)})) as stream:
+        async with contextlib.aclosing(server.stream_infer("many", {"X": single(1)})) as stream:
             taken = 0
             async for _ in stream:
                 taken += 1
@@ -150,7 +127,7 @@ async def test_the_generator_runs_at_most_one_response_ahead() -> None:
 async def test_leaving_early_frees_the_instance_for_a_blocking_generator() -> None:
     """A synchronous generator whose caller left stops at its next response."""
     async with orchestrion.open_server(models=[decoupled("rep", repeat)]) as server:
-        async with contextlib.aclosing(server.stream_infer("rep", {"X": value(50)})) as stream:
+        async with contextlib.aclosing(server.stream_infer("rep", {"X": single(50)})) as stream:
             async for _ in stream:
                 break
         assert await collect(server, "rep", 2) == [0.0, 2.0]
@@ -159,8 +136,8 @@ async def test_leaving_early_frees_the_instance_for_a_blocking_generator() -> No
 def test_blocking_server_iterates_responses() -> None:
     """Server.stream_infer is a plain iterator of responses."""
     with orchestrion.Server(models=[decoupled("rep", repeat)]) as server:
-        got = [float(r.outputs["Y"][0]) for r in server.stream_infer("rep", {"X": value(3)})]
-        first = next(iter(server.stream_infer("rep", {"X": value(4)})))
+        got = [float(r.outputs["Y"][0]) for r in server.stream_infer("rep", {"X": single(3)})]
+        first = next(iter(server.stream_infer("rep", {"X": single(4)})))
     assert got == [0.0, 3.0, 6.0]
     assert float(first.outputs["Y"][0]) == 0.0
 

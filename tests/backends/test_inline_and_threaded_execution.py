@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 import orchestrion
-from builders import model, tensor
 from orchestrion.actors._runner import SWITCH_WINDOW
+from orchestrion.testing import model, tensor
 
 
 def _sleepy(count: int) -> orchestrion.Model:

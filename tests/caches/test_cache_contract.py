@@ -11,10 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import trio
-from redis_server import RedisServer
 
 import orchestrion
-from builders import cached, model, tensor
 from orchestrion.caches import (
     CacheUsage,
     ResponseCache,
@@ -28,6 +26,7 @@ from orchestrion.protocols import (
     cache_key,
     frozen_outputs,
 )
+from orchestrion.testing import RedisServer, cached, model, tensor
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "sqlite_cache"
 KINDS = ["local", "redis", "sqlite"]

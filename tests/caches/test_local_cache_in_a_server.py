@@ -17,7 +17,6 @@ import trio.testing
 
 import orchestrion
 import orchestrion._server
-from builders import cached, chain, ensemble, model, outcome, step, tensor
 from orchestrion.caches import LocalCache, ResponseCache
 from orchestrion.protocols import (
     CacheEntry,
@@ -30,6 +29,7 @@ from orchestrion.protocols import (
     entry_cost,
     frozen_outputs,
 )
+from orchestrion.testing import cached, chain, ensemble, model, outcome, step, tensor
 
 LOCAL = "local,size=1048576"
 X = np.arange(16, dtype=np.float32)

@@ -17,11 +17,10 @@ import trio
 import trio.lowlevel
 import trio.testing
 import trustme
-from redis_server import RedisServer, free_port
 
 import orchestrion
-from builders import cached, model, outcome, tensor
 from orchestrion.protocols import CacheUnavailableError
+from orchestrion.testing import RedisServer, cached, free_port, model, outcome, tensor
 
 X = np.arange(16, dtype=np.float32)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from served import start_server
 
 import orchestrion
-from builders import ensemble, model, step, tensor
 from orchestrion.frontends._cli import main as cli
+from orchestrion.testing import ensemble, model, step, tensor
+from support.served import start_server
 
 REPO = Path(__file__).resolve().parents[2]
 

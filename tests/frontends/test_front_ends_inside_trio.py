@@ -11,28 +11,20 @@ import pytest
 import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from inprocess_servers import front_ends
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from served import MODELS
 from tritonclient.utils import InferenceServerException
 
 from orchestrion import AsyncServer, open_server
 from orchestrion.frontends._control import ModelControl
 from orchestrion.frontends._grpc_service import open_grpc_api
 from orchestrion.frontends._http_api import HttpApi, open_http_api
+from support.served import MODELS, front_ends, wait_until
 
 
 def _pending(server: AsyncServer, model: str) -> int:
     return server.model_statistics(model)[0].pending_request_count
-
-
-async def _wait_until(condition: Any, limit: float = 30.0) -> None:
-    # Polls: the state changes in reaction to sockets and threads, not to a trio event.
-    with trio.fail_after(limit):
-        while not condition():  # noqa: ASYNC110
-            await trio.sleep(0.01)
 
 
 async def test_http_client_disconnect_cancels_the_work() -> None:
@@ -47,9 +39,9 @@ async def test_http_client_disconnect_cancels_the_work() -> None:
             + b"\r\n\r\n"
             + body
         )
-        await _wait_until(lambda: _pending(server, "sleepy") == 1)
+        await wait_until(lambda: _pending(server, "sleepy") == 1)
         await stream.aclose()
-        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
         stats = server.model_statistics("sleepy")[0]
         assert stats.failures_by_reason.get("CANCELED") == 1
 
@@ -72,7 +64,7 @@ async def test_grpc_client_deadline_cancels_the_work() -> None:
 
         error = await trio.to_thread.run_sync(call)
         assert "Deadline" in str(error.status()) or "DEADLINE" in str(error.status())
-        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
         assert server.model_statistics("sleepy")[0].failures_by_reason.get("CANCELED") == 1
 
 
@@ -93,7 +85,7 @@ async def test_grpc_stream_closed_mid_stream_stops_the_generator() -> None:
             client.close()
 
         await trio.to_thread.run_sync(call)
-        await _wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
 
 
 @contextlib.contextmanager
@@ -102,7 +94,7 @@ def _noop() -> Any:
 
 
 async def _wait_pending(server: AsyncServer) -> Any:
-    await _wait_until(lambda: _pending(server, "sleepy") == 1)
+    await wait_until(lambda: _pending(server, "sleepy") == 1)
     return _noop()
 
 

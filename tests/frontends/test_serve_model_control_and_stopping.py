@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import http.client
-import json
 import shutil
 import signal
 import threading
@@ -17,14 +16,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import MODELS, Served, pending, post, start_server
 from tritonclient.utils import InferenceServerException
 
-
-def _pipeline_body(value: float = 1.0) -> bytes:
-    return json.dumps(
-        {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16], "data": [value] * 16}]}
-    ).encode()
+from orchestrion.testing import Served, pending, post
+from support.served import MODELS, pipeline_body, start_server
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +48,11 @@ def test_load_and_unload_over_both_protocols(explicit: Served) -> None:
     http_client.load_model("pipeline")
     assert grpc_client.is_model_ready("pipeline")
     assert grpc_client.is_model_ready("preprocess")
-    status, _ = post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
+    status, _ = post(explicit.http, "/v2/models/pipeline/infer", pipeline_body())
     assert status == 200
     grpc_client.unload_model("pipeline")
     assert not http_client.is_model_ready("pipeline")
-    status, body = post(explicit.http, "/v2/models/pipeline/infer", _pipeline_body())
+    status, body = post(explicit.http, "/v2/models/pipeline/infer", pipeline_body())
     assert status == 404, body
     grpc_client.load_model("pipeline")
     assert http_client.is_model_ready("pipeline")
@@ -99,7 +94,7 @@ def test_body_size_limit_and_compression(explicit: Served) -> None:
     status, body = post(explicit.http, "/v2/models/pipeline/infer", b" " * 5000)
     assert status == 413, body
     assert b"--http-max-input-size" in body
-    small = gzip.compress(_pipeline_body(2.0))
+    small = gzip.compress(pipeline_body(2.0))
     status, body = post(
         explicit.http, "/v2/models/pipeline/infer", small, {"Content-Encoding": "gzip"}
     )

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import MODELS, Served, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+
+from orchestrion.testing import Served, post
+from support.served import MODELS, start_server
 
 ECHO_CONFIG = """
 name: "{name}"

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from served import Served, start_server
 from tritonclient.utils import InferenceServerException
+
+from orchestrion.testing import Served
+from support.served import start_server
 
 TYPES: dict[str, Any] = {
     "BOOL": np.bool_,

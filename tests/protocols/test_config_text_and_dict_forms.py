@@ -1,4 +1,8 @@
-"""`config.pbtxt` parsing, formatting and the dict form of `ModelConfig` (SPEC §1)."""
+"""`config.pbtxt` (the protobuf text of Triton's `ModelConfig`, read with Triton's own schema)
+to orchestrion's `ModelConfig` and back, and its dict form: the fields of Python models,
+ensembles, decoupled and stateful models and version policies, their defaults, and errors that
+name the file and the field (syntax, fields unknown to Triton or unsupported here, wrong
+values)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Load-time validation of model configs and ensembles (SPEC §3 "Validation at load")."""
+"""Load-time validation of model configs and ensembles: each problem is a clear error naming
+the ensemble, the step and the tensor (the ensemble platform and its scheduling, steps and
+their models, cycles, tensors produced once and consumed, input and output maps, data types
+and shapes along each tensor, batch sizes, decoupled producers, `max_inflight_requests`,
+versions, caching), and the ensemble graph that scheduling uses."""
 
 from __future__ import annotations
 

@@ -10,16 +10,11 @@ import numpy as np
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import orchestrion
-from builders import model, tensor
 from orchestrion import _server as server_module
 from orchestrion.telemetry import make_tracer_provider
+from orchestrion.testing import plus_one
 
 X = np.arange(16, dtype=np.float32)
-
-
-def plus_one(name: str) -> orchestrion.Model:
-    """Y = X + 1, inline."""
-    return model(name, lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")], jit=False)
 
 
 async def test_a_malformed_traceparent_does_not_bypass_the_rate(monkeypatch: Any) -> None:

@@ -8,29 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 import orchestrion
-from builders import cached, ensemble, gated, model, step, tensor
+from orchestrion.testing import cached, ensemble, gated, model, plus_one, step, tensor
+from support.metrics import metric_value
 
 X = np.arange(16, dtype=np.float32)
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """The one sample of ``name`` whose labels include ``labels``."""
-    found = [
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in (name, name + "_total") and labels.items() <= s.labels.items()
-    ]
-    assert len(found) == 1, (name, labels, found)
-    return float(found[0])
-
-
-def plus_one(name: str) -> orchestrion.Model:
-    """Y = X + 1, inline."""
-    return model(name, lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")], jit=False)
 
 
 async def test_reloading_a_model_never_moves_its_counters_backwards() -> None:
@@ -38,9 +21,9 @@ async def test_reloading_a_model_never_moves_its_counters_backwards() -> None:
     async with orchestrion.open_server(models=[plus_one("a")]) as server:
         for _ in range(3):
             await server.infer("a", {"X": X})
-        before = value(server.metrics_text(), "nv_inference_request_success", model="a")
+        before = metric_value(server.metrics_text(), "nv_inference_request_success", model="a")
         await server.load_model(plus_one("a"))  # same name, same version 1
-        after = value(server.metrics_text(), "nv_inference_request_success", model="a")
+        after = metric_value(server.metrics_text(), "nv_inference_request_success", model="a")
     assert before == 3
     assert after >= before
 
@@ -74,7 +57,7 @@ async def test_a_step_request_refused_by_its_model_is_rejected_either_way(
         with pytest.raises(orchestrion.InferenceError):
             await server.infer("pipe", {"IN": X})
         text = server.metrics_text()
-    assert value(text, "nv_inference_request_failure", model="b", reason="REJECTED") == 1
+    assert metric_value(text, "nv_inference_request_failure", model="b", reason="REJECTED") == 1
 
 
 async def test_request_duration_counts_successes_only() -> None:
@@ -89,8 +72,8 @@ async def test_request_duration_counts_successes_only() -> None:
         with pytest.raises(orchestrion.InferenceError):
             await server.infer("f", {"X": X})
         text = server.metrics_text()
-    assert value(text, "nv_inference_request_success", model="f") == 0
-    assert value(text, "nv_inference_request_duration_us", model="f") == 0
+    assert metric_value(text, "nv_inference_request_success", model="f") == 0
+    assert metric_value(text, "nv_inference_request_duration_us", model="f") == 0
 
 
 async def test_coalesced_requests_agree_with_the_cache_wide_hits() -> None:
@@ -104,5 +87,5 @@ async def test_coalesced_requests_agree_with_the_cache_wide_hits() -> None:
             await trio.testing.wait_all_tasks_blocked()
             gate.set()
         text = server.metrics_text()
-    per_model = value(text, "nv_cache_num_hits_per_model", model="g")
-    assert per_model == value(text, "nv_cache_num_hits")
+    per_model = metric_value(text, "nv_cache_num_hits_per_model", model="g")
+    assert per_model == metric_value(text, "nv_cache_num_hits")

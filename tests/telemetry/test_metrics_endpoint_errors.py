@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 import orchestrion
-from builders import model, tensor
 from orchestrion.protocols import ConfigError
-
-
-def plus_one(name: str) -> orchestrion.Model:
-    """Y = X + 1, inline."""
-    return model(name, lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")], jit=False)
+from orchestrion.testing import plus_one
 
 
 async def test_an_oserror_of_the_callers_block_is_not_a_bind_error() -> None:

@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import orchestrion
-from builders import cached, chain, model, tensor
 from orchestrion.protocols import ConfigError, TraceConfig, parse_trace_config
+from orchestrion.testing import cached, chain, model, tensor
 
 X = np.arange(16, dtype=np.float32)
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_server import PrometheusServer, wait_for
 
 import orchestrion
-from builders import cached, chain, gated, model, tensor
 from orchestrion.protocols import ConfigError, InferenceError, InvalidRequestError
+from orchestrion.testing import cached, chain, gated, model, tensor
+from support.metrics import metric_value
+from support.prometheus import PrometheusServer, wait_for
 
 X = np.arange(16, dtype=np.float32)
 LOCAL = "local,size=1048576"
@@ -25,18 +26,6 @@ LOCAL = "local,size=1048576"
 
 def families(text: str) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """The value of the one sample of ``name`` whose labels include ``labels``."""
-    found = [
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in (name, f"{name}_total") and labels.items() <= s.labels.items()
-    ]
-    assert len(found) == 1, (name, labels, found)
-    return float(found[0])
 
 
 def type_lines(text: str) -> dict[str, str]:
@@ -91,31 +80,31 @@ async def test_triton_metrics_after_known_traffic() -> None:
         assert types[name] == "counter", name  # exactly Triton's name: no _total
     for name in ("nv_inference_pending_request_count", "nv_cache_num_entries", "nv_cache_util"):
         assert types[name] == "gauge", name
-    assert value(text, "nv_inference_request_success", model="pipe", version="1") == 3
-    assert value(text, "nv_inference_request_success", model="a") == 3
-    assert value(text, "nv_inference_count", model="a") == 1  # the miss (not hits, failures)
-    assert value(text, "nv_inference_exec_count", model="a") == 2
-    assert value(text, "nv_inference_exec_count", model="b") == 3
-    assert value(text, "nv_inference_exec_count", model="pipe") == 0
-    assert value(text, "nv_inference_request_failure", model="a", reason="BACKEND") == 1
-    assert value(text, "nv_inference_request_failure", model="pipe", reason="BACKEND") == 1
-    assert value(text, "nv_inference_request_failure", model="b", reason="REJECTED") == 1
-    assert value(text, "nv_inference_request_failure", model="b", reason="CANCELED") == 0
-    assert value(text, "nv_cache_num_hits_per_model", model="a") == 2
-    assert value(text, "nv_cache_num_misses_per_model", model="a") == 2
-    assert value(text, "nv_cache_hit_duration_per_model", model="a") >= 0
+    assert metric_value(text, "nv_inference_request_success", model="pipe", version="1") == 3
+    assert metric_value(text, "nv_inference_request_success", model="a") == 3
+    assert metric_value(text, "nv_inference_count", model="a") == 1  # the miss (not hits, failures)
+    assert metric_value(text, "nv_inference_exec_count", model="a") == 2
+    assert metric_value(text, "nv_inference_exec_count", model="b") == 3
+    assert metric_value(text, "nv_inference_exec_count", model="pipe") == 0
+    assert metric_value(text, "nv_inference_request_failure", model="a", reason="BACKEND") == 1
+    assert metric_value(text, "nv_inference_request_failure", model="pipe", reason="BACKEND") == 1
+    assert metric_value(text, "nv_inference_request_failure", model="b", reason="REJECTED") == 1
+    assert metric_value(text, "nv_inference_request_failure", model="b", reason="CANCELED") == 0
+    assert metric_value(text, "nv_cache_num_hits_per_model", model="a") == 2
+    assert metric_value(text, "nv_cache_num_misses_per_model", model="a") == 2
+    assert metric_value(text, "nv_cache_hit_duration_per_model", model="a") >= 0
     # Per-model cache metrics only for models with the cache enabled.
     assert 'nv_cache_num_hits_per_model{model="b"' not in text
-    assert value(text, "nv_cache_num_entries") == 1
-    assert value(text, "nv_cache_num_lookups") == 4
-    assert value(text, "nv_cache_num_hits") == 2
-    assert value(text, "nv_cache_num_evictions") == 0
-    assert 0 < value(text, "nv_cache_util") < 1
-    assert value(text, "nv_inference_request_duration_us", model="pipe") > 0
-    assert value(text, "orchestrion_model_load_seconds", model="b") > 0
-    assert value(text, "orchestrion_step_queue_depth", ensemble="pipe", step="0") == 0
+    assert metric_value(text, "nv_cache_num_entries") == 1
+    assert metric_value(text, "nv_cache_num_lookups") == 4
+    assert metric_value(text, "nv_cache_num_hits") == 2
+    assert metric_value(text, "nv_cache_num_evictions") == 0
+    assert 0 < metric_value(text, "nv_cache_util") < 1
+    assert metric_value(text, "nv_inference_request_duration_us", model="pipe") > 0
+    assert metric_value(text, "orchestrion_model_load_seconds", model="b") > 0
+    assert metric_value(text, "orchestrion_step_queue_depth", ensemble="pipe", step="0") == 0
     assert types["orchestrion_step_blocked_seconds_total"] == "counter"
-    assert value(text, "orchestrion_cache_round_trips_total", cache="local") == 0
+    assert metric_value(text, "orchestrion_cache_round_trips_total", cache="local") == 0
 
 
 async def test_no_cache_metrics_without_a_cache() -> None:
@@ -124,7 +113,7 @@ async def test_no_cache_metrics_without_a_cache() -> None:
         await server.infer("pipe", {"IN": X})
         text = server.metrics_text()
     assert "nv_cache" not in text
-    assert value(text, "nv_inference_exec_count", model="a") == 1
+    assert metric_value(text, "nv_inference_exec_count", model="a") == 1
 
 
 async def test_pending_counts_and_timeouts(autojump_clock: trio.testing.MockClock) -> None:
@@ -147,10 +136,12 @@ async def test_pending_counts_and_timeouts(autojump_clock: trio.testing.MockCloc
         with pytest.raises(orchestrion.InferenceTimeoutError):
             await server.infer("stuck", {"X": X}, timeout=0.5)
         after = server.metrics_text()
-    assert value(text, "nv_inference_pending_request_count", model="slow") == 3
-    assert value(text, "nv_inference_pending_request_count", model="pipe") == 0
-    assert value(after, "nv_inference_request_failure", model="stuck", reason="CANCELED") == 1
-    assert value(after, "nv_inference_pending_request_count", model="slow") == 0
+    assert metric_value(text, "nv_inference_pending_request_count", model="slow") == 3
+    assert metric_value(text, "nv_inference_pending_request_count", model="pipe") == 0
+    assert (
+        metric_value(after, "nv_inference_request_failure", model="stuck", reason="CANCELED") == 1
+    )
+    assert metric_value(after, "nv_inference_pending_request_count", model="slow") == 0
 
 
 async def test_metrics_endpoint_serves_the_same_text() -> None:
@@ -174,7 +165,7 @@ async def test_metrics_endpoint_serves_the_same_text() -> None:
         missing, _, _ = await trio.to_thread.run_sync(get, "/other")
         assert status == 200
         assert kind.startswith("text/plain; version=0.0.4")
-        assert value(body, "nv_inference_request_success", model="pipe") == 1
+        assert metric_value(body, "nv_inference_request_success", model="pipe") == 1
         assert missing == 404
     with pytest.raises(urllib.error.URLError):  # the endpoint closed with the server
         await trio.to_thread.run_sync(get, "/metrics")
@@ -196,7 +187,7 @@ def test_blocking_server_metrics() -> None:
     with orchestrion.Server(models=traffic_models(), metrics_port=0) as server:
         server.infer("pipe", {"IN": X})
         assert server.metrics_url is not None
-        assert value(server.metrics_text(), "nv_inference_exec_count", model="b") == 1
+        assert metric_value(server.metrics_text(), "nv_inference_exec_count", model="b") == 1
 
 
 async def test_a_real_prometheus_scrapes_the_endpoint(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ import attrs
 import numpy as np
 
 import orchestrion
-from builders import model, tensor
 from orchestrion.protocols import DynamicBatching
+from orchestrion.testing import model, tensor
 
 ROW = (4,)
 

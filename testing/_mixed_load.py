@@ -1,5 +1,9 @@
 """The mixed load of the reliability tests and bench/soak.py: request ``index`` (its model,
-inputs and expected answer), how to send it over HTTP, and how to check the answer."""
+inputs and expected answer), how to send it over HTTP, and how to check the answer.
+
+The models are those of the tests' repository (tests/kserve_models): ``pipeline`` (a cached
+ensemble: ``x * 2 + 1``, then two sums and a negation), ``fragile`` (fails on negative
+inputs), ``square`` and ``identity_batch``."""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from builders import assert_idle
 from orchestrion import AsyncServer, DataType, InferenceError
+from orchestrion.testing._builders import assert_idle
 
 
 def case(index: int) -> tuple[str, dict[str, np.ndarray[Any, Any]], Any]:
@@ -25,8 +29,8 @@ def case(index: int) -> tuple[str, dict[str, np.ndarray[Any, Any]], Any]:
         return "pipeline", {"INPUT": x}, expected
     if kind == 1:
         value = np.array([float(index % 7) - 2.0], np.float32)  # negative: the model fails
-        expected = InferenceError if value[0] < 0 else {"Y": value + 1}
-        return "fragile", {"X": value}, expected
+        outcome: Any = InferenceError if value[0] < 0 else {"Y": value + 1}
+        return "fragile", {"X": value}, outcome
     if kind == 2:
         y = np.array([index % 1000], np.int32)
         return "square", {"Y": y}, {"Z": y * y}
@@ -122,7 +126,7 @@ def http_call(address: str, index: int, connection: http.client.HTTPConnection) 
     data = response.read()
     if response.status != 200:
         return InferenceServerException(json.loads(data)["error"], status=str(response.status))
-    length = int(response.getheader("Inference-Header-Content-Length"))
+    length = int(response.getheader("Inference-Header-Content-Length") or "")
     document = json.loads(data[:length])
     outputs, offset = {}, length
     for output in document["outputs"]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
-
-from served import MODELS
 
 from orchestrion import AsyncServer, open_server
 from orchestrion.frontends._control import ModelControl
@@ -15,9 +14,12 @@ from orchestrion.frontends._http_api import HttpApi, open_http_api
 
 
 @contextlib.asynccontextmanager
-async def front_ends(**server_options: Any) -> AsyncIterator[tuple[AsyncServer, str, str]]:
-    """A server on tests/kserve_models with both front ends on free loopback ports."""
-    async with open_server(MODELS, **server_options) as server:
+async def front_ends(
+    repository: Path, **server_options: Any
+) -> AsyncIterator[tuple[AsyncServer, str, str]]:
+    """A server on ``repository`` with both front ends on free loopback ports: the server,
+    the HTTP address and the gRPC address."""
+    async with open_server(repository, **server_options) as server:
         control = ModelControl(server)
         api = HttpApi(server, control, "test")
         async with (

@@ -1,4 +1,10 @@
-"""Small helpers to build models and ensembles in Python for the tests."""
+"""Models and ensembles built in one line, and checks of a server's state at rest.
+
+`model`, `ensemble` and `step` fill in a `ModelConfig` with short defaults (FP32 tensors of
+16 elements, one CPU instance); `cached`, `with_fusion` and `decoupled` change one setting of
+a definition. `assert_idle`, `fused` and `settled` look inside a running `AsyncServer` (its
+private state: they follow the runtime's internals, for the project's own tests).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +16,17 @@ import attrs
 import trio
 
 from orchestrion import AsyncServer, Model
-from orchestrion.actors import ModelRunner
+from orchestrion.actors import EnsembleRunner, ModelRunner
+from orchestrion.actors._fusion import Fusion
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,
     EnsembleStep,
+    InferRequest,
     InstanceGroup,
     InstanceKind,
     ModelConfig,
+    ModelTransactionPolicy,
     Observer,
     ResponseCache,
     TensorConfig,
@@ -46,7 +55,7 @@ def model(
 
     Plain synchronous models default to running inline: a model in a worker thread is not a
     blocked task for ``wait_all_tasks_blocked``, and these tests want determinism. The thread
-    path has tests of its own (test_instances.py).
+    path has tests of its own (tests/backends/test_inline_and_threaded_execution.py).
     """
     if parameters is None and not jit and not inspect.iscoroutinefunction(execute):
         parameters = {"execution": "inline"}
@@ -64,7 +73,8 @@ def model(
 def step(
     model_name: str, inputs: Mapping[str, str], outputs: Mapping[str, str], version: int = -1
 ) -> EnsembleStep:
-    """An ensemble step: ``inputs`` maps model inputs to tensors, ``outputs`` model outputs to tensors."""
+    """An ensemble step: ``inputs`` maps model inputs to tensors, ``outputs`` model outputs to
+    tensors."""
     return EnsembleStep(
         model_name=model_name,
         model_version=version,
@@ -101,20 +111,30 @@ class StepRecorder(Observer):
     """Records composing requests and the peak number of in-flight requests per step."""
 
     def __init__(self) -> None:
+        """Nothing recorded yet."""
         self.requests: list[tuple[str, int, Any]] = []
         self.in_flight: dict[tuple[str, int], int] = {}
         self.peak: dict[tuple[str, int], int] = {}
         self.finished: list[tuple[str, int, BaseException | None]] = []
 
-    def step_started(self, ensemble: str, step: int, model_name: str, request: Any) -> None:
+    def step_started(
+        self, ensemble: str, step: int, model_name: str, request: InferRequest
+    ) -> None:
+        """Record the request and the step's new in-flight count."""
         key = (ensemble, step)
         self.requests.append((ensemble, step, request))
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
         self.peak[key] = max(self.peak.get(key, 0), self.in_flight[key])
 
     def step_finished(
-        self, ensemble: str, step: int, model_name: str, request: Any, error: BaseException | None
+        self,
+        ensemble: str,
+        step: int,
+        model_name: str,
+        request: InferRequest,
+        error: BaseException | None,
     ) -> None:
+        """Record the outcome; the step has one request fewer in flight."""
         self.in_flight[(ensemble, step)] -= 1
         self.finished.append((ensemble, step, error))
 
@@ -132,6 +152,19 @@ def gated(name: str, gate: trio.Event, count: int = 8) -> Model:
 def double(name: str = "double", *, jit: bool = True) -> Model:
     """``Y = X * 2``."""
     return model(name, lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")], jit=jit)
+
+
+def plus_one(name: str) -> Model:
+    """``Y = X + 1``, plain Python (so it runs inline)."""
+    return model(name, lambda X: {"Y": X + 1}, [tensor("X")], [tensor("Y")], jit=False)
+
+
+def decoupled(name: str, execute: Callable[..., Any], dims: Sequence[int] = (1,)) -> Model:
+    """A decoupled plain-Python model X -> Y (FP32 of ``dims``): ``execute`` is a generator or
+    an async generator, each item it yields one response."""
+    m = model(name, execute, [tensor("X", dims=dims)], [tensor("Y", dims=dims)], jit=False)
+    policy = ModelTransactionPolicy(decoupled=True)
+    return attrs.evolve(m, config=attrs.evolve(m.config, model_transaction_policy=policy))
 
 
 def chain(name: str, first: str, second: str, **kw: Any) -> Model:
@@ -157,9 +190,11 @@ def assert_idle(server: AsyncServer, *ensembles: str) -> None:
     """Every counter is back at rest: steps, slots, pending counts, model queues, busy flags."""
     registry = server._registry
     for name in ensembles:
-        for s in server.step_statistics(name):
-            assert (s.queued, s.in_flight) == (0, 0), s
-        for s in registry.resolve(name)._steps:
+        for step_stats in server.step_statistics(name):
+            assert (step_stats.queued, step_stats.in_flight) == (0, 0), step_stats
+        ensemble = registry.resolve(name)
+        assert isinstance(ensemble, EnsembleRunner), name
+        for s in ensemble._steps:
             if s.slots is not None:  # the actor holds one slot while it waits to receive
                 assert s.slots.value >= s.capacity - 1, (name, s.plan.index, s.slots.value)
     for stats in server.model_statistics():
@@ -186,7 +221,7 @@ def with_fusion(definition: Model, mode: str) -> Model:
 
 def fused(server: AsyncServer, name: str = "pipe") -> bool:
     """Whether the ensemble ``name`` has run a request fused (mode "xla": has compiled one)."""
-    fusion = server._registry.resolve(name)._fusion
+    fusion = _fusion_of(server, name)
     return fusion is not None and (fusion._announced or bool(fusion._ready))
 
 
@@ -195,6 +230,12 @@ async def settled(server: AsyncServer, name: str = "pipe") -> bool:
     request for a new signature takes the scheduler's path while its fused call compiles."""
     with trio.fail_after(30):
         # A worker thread compiles: there is no event to wait on.
-        while (f := server._registry.resolve(name)._fusion) is not None and f._compiling:  # noqa: ASYNC110
+        while (f := _fusion_of(server, name)) is not None and f._compiling:  # noqa: ASYNC110
             await trio.sleep(0.01)
     return fused(server, name)
+
+
+def _fusion_of(server: AsyncServer, name: str) -> Fusion | None:
+    ensemble = server._registry.resolve(name)
+    assert isinstance(ensemble, EnsembleRunner), name
+    return ensemble._fusion

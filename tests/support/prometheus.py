@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from redis_server import free_port
+from orchestrion.testing import free_port
 
 
 class PrometheusServer:
