@@ -1,5 +1,5 @@
 """The public surface: the names the top-level package exports, whose fault each error says,
-and subpackages that install under ``orchestrion`` only."""
+subpackages that install under ``orchestrion`` only, and `orchestrion.testing`."""
 
 from __future__ import annotations
 
@@ -84,3 +84,17 @@ def test_subpackages_install_under_orchestrion_only(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_testing_helpers_are_documented_and_need_no_pytest() -> None:
+    """`orchestrion.testing` (what the tests and bench/ share) documents each public name and
+    imports without pytest, as ``trio.testing`` does."""
+    code = (
+        "import sys, orchestrion.testing as t\n"
+        "print('pytest' in sys.modules, "
+        "[n for n in dir(t) if not n.startswith('_') and not getattr(t, n).__doc__])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "False []"

@@ -308,7 +308,7 @@ def test_empty_dims_are_refused_even_when_batching() -> None:
         (4, (2, -1), (2, 2)),  # qa reshape_variable0: different size
         (4, (2, -1), (2, -1, 2)),  # qa reshape_variable2: different size between wildcards
         (4, (2, -1), (2, -1, -1)),  # qa reshape_variable4: different number of wildcards
-        (0, (-1, 2), (1, -1)),  # trunks [1,2] vs [1,1]; pinned valid in test_protocols_validation
+        (0, (-1, 2), (1, -1)),  # trunks [1,2] vs [1,1]; pinned valid in test_validation_at_load.py
         (0, (1,), ()),  # qa reshape_nobatch_empty0: scalar without batching
     ],
     ids=["variable0", "variable2", "variable4", "trunks", "nobatch_empty0"],
