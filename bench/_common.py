@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,13 +45,9 @@ def calibrate(fn: Callable[[], object], batch_seconds: float) -> int:
 
 def report_reader() -> Callable[[Path], Any]:
     """``read`` of bench/vs_triton/report.py: one perf_analyzer result (its CSV, or its log
-    when no window was stable) as (infer/s, p50 µs, p99 µs, stable), or None."""
-    folder = str(BENCH / "vs_triton")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    from report import read  # type: ignore[import-not-found]
-
-    reader: Callable[[Path], Any] = read
+    when no window was stable) as (infer/s, p50 µs, p99 µs, stable), or None. The script is
+    run from its file (bench/ is no package): nothing is added to ``sys.path``."""
+    reader: Callable[[Path], Any] = runpy.run_path(str(BENCH / "vs_triton" / "report.py"))["read"]
     return reader
 
 

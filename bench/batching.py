@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/batching.py [--quick] [--requests N] [--warmup W]
 [--repeats R] [--concurrency C]``. ``--quick`` makes every measurement tiny (the smoke test in
-tests/test_bench_smoke.py uses it); the numbers it prints then mean little.
+tests/test_benchmarks_run.py uses it); the numbers it prints then mean little.
 
 The model: an MLP 16 → 256 → 256 → 10 with relu, written with ``jax.numpy`` and jitted by
 orchestrion (``jit=True``), its weights made by ``initialize`` from a fixed seed (He-scaled
@@ -58,10 +58,8 @@ import itertools
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import attrs
 import jax
@@ -72,10 +70,7 @@ from _common import table
 
 import orchestrion
 from orchestrion.protocols import DynamicBatching, ModelConfig
-
-# The helpers the tests use to build models.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from builders import model, tensor
+from orchestrion.testing import model, tensor
 
 NAME = "mlp"
 MAX_BATCH = 64

@@ -1,10 +1,10 @@
 """What the response cache costs and saves: latency per request, key hashing, Redis lookups.
 
 Run: ``.venv/bin/python bench/cache.py [--quick] [--requests N] [--repeats R] [--seconds S]``.
-It starts its own ``redis-server`` (from PATH or ``$REDIS_SERVER``, via tests/redis_server.py)
-on a free loopback port and stops it at the end, error or not. ``--quick`` makes every
-measurement tiny (the smoke test in tests/test_bench_smoke.py uses it); the numbers it prints
-then mean little.
+It starts its own ``redis-server`` (from PATH or ``$REDIS_SERVER``, via
+`orchestrion.testing.RedisServer`) on a free loopback port and stops it at the end, error or
+not. ``--quick`` makes every measurement tiny (the smoke test in tests/test_benchmarks_run.py
+uses it); the numbers it prints then mean little.
 
 Three sections, each one table:
 
@@ -44,7 +44,6 @@ import hashlib
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -66,12 +65,7 @@ from orchestrion.protocols import (
     cache_key,
     frozen_outputs,
 )
-
-# The helpers the tests use: building models, and a throwaway redis-server.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from redis_server import RedisServer
-
-from builders import cached, ensemble, model, step, tensor
+from orchestrion.testing import RedisServer, cached, ensemble, model, step, tensor
 
 INLINE = {"execution": "inline"}
 LOCAL_SIZE = 256 * 1024 * 1024  # no evictions: a miss costs a lookup and an insert, no more

@@ -19,7 +19,6 @@ import itertools
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,8 +35,6 @@ from orchestrion.protocols import (
     ModelConfig,
     TensorConfig,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 SIZES = (512, 2048, 2048, 512)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,17 +28,10 @@ import numpy as np
 from _common import table
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from served import Served, start_server
+from orchestrion.testing import Served, rss_kib, start_server
 
 MIB = 1 << 20
-
-
-def rss_kib(served: Served) -> int:
-    with open(f"/proc/{served.process.pid}/status") as file:
-        match = re.search(r"VmRSS:\s+(\d+) kB", file.read())
-    assert match is not None
-    return int(match.group(1))
+MODELS = Path(__file__).resolve().parent.parent / "tests" / "kserve_models"
 
 
 def grpc_request(served: Served, raw: bytes, n: int) -> None:
@@ -89,15 +80,15 @@ def http_request(served: Served, raw: bytes, n: int) -> None:
 def measure(size_mib: int, front_end: str) -> list[str]:
     n = size_mib * MIB // 4
     limits = [f"--grpc-max-message-size={2**31 - 1}", f"--http-max-input-size={2**31 - 1}"]
-    served = start_server(*limits)
+    served = start_server(*limits, repository=MODELS)
     try:
         raw = np.ones(n, np.float32).tobytes()
-        base = rss_kib(served)
+        base = rss_kib(served.process.pid)
         peak, probes, done = [base], [0.0], threading.Event()
 
         def sample() -> None:
             while not done.wait(0.01):
-                peak[0] = max(peak[0], rss_kib(served))
+                peak[0] = max(peak[0], rss_kib(served.process.pid))
 
         def probe() -> None:
             connection = http.client.HTTPConnection(served.http, timeout=600)

@@ -42,9 +42,7 @@ from _common import table
 
 import orchestrion
 from orchestrion.protocols import ModelTransactionPolicy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from builders import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, model, step, tensor
 
 STREAMS = 4
 CHUNK_SHAPE = (256, 1024)  # 1 MiB of float32

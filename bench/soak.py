@@ -15,24 +15,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _common import table
-from inprocess_servers import front_ends
-from mixed_load import at_rest, check, embedding_round, http_call
 
+from orchestrion.testing import at_rest, check, embedding_round, front_ends, http_call, rss_kib
 
-def _rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+MODELS = Path(__file__).resolve().parent.parent / "tests" / "kserve_models"
 
 
 async def main(rounds: int, requests: int) -> None:
@@ -41,7 +33,7 @@ async def main(rounds: int, requests: int) -> None:
 
     rows = []
     samples: list[tuple[int, int]] = []
-    async with front_ends(cache_config="local,size=1048576") as (server, http_address, _):
+    async with front_ends(MODELS, cache_config="local,size=1048576") as (server, http_address, _):
         for number in range(rounds + 1):
             started = time.perf_counter()
 
@@ -64,7 +56,7 @@ async def main(rounds: int, requests: int) -> None:
             assert len(answers) == requests
             at_rest(server)
             gc.collect()
-            rss = _rss_kib()
+            rss = rss_kib()
             took = time.perf_counter() - started
             label = "warm-up" if number == 0 else str(number)
             rows.append(

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/telemetry.py [--quick] [--seconds S] [--repeats R]
 [--concurrency 1,16]``. ``--quick`` makes every measurement tiny (the smoke test in
-tests/test_bench_smoke.py uses it); the numbers it prints then mean little.
+tests/test_benchmarks_run.py uses it); the numbers it prints then mean little.
 
 The pipeline: an ensemble ``pipe`` of three tiny numpy models in a chain (``X+1``, then
 ``*2``, then ``-3`` on FP32 ``[16]``; ``jit=False``, inline execution, as in bench/cache.py),
@@ -58,12 +58,10 @@ import http.server
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -84,10 +82,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler
 
 import orchestrion
-
-# The helpers the tests use to build models.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from builders import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, model, step, tensor
 
 INLINE = {"execution": "inline"}
 PIPELINE = "pipe"

@@ -24,7 +24,12 @@
 # First run installs, into git-ignored folders only: bench/.venv-triton (nvidia-pytriton 0.7.0,
 # which carries tritonserver 2.51.0 and its Python backend) and bench/.peers (perf_analyzer
 # from the tritonclient 2.51.0 wheel, its two shared libraries, a writable copy of the
-# backends). Later runs reuse them. See /work/shared/ANCHORS.md for why each piece is needed.
+# backends). Later runs reuse them. Why these pieces: pytriton's wheel (55 MB, glibc 2.35 or
+# later) carries tritonserver, the Python backend, a backend stub per Python version and the
+# local cache, and no other backend. perf_analyzer is not on PyPI (the `perf-analyzer` package
+# there is an empty placeholder): the tritonclient 2.51.0 manylinux wheel carries the binary
+# (2.60.0's needs glibc 2.38), which needs libb64 and libcudart, shipped by pytriton under
+# hashed names. Triton wants the stub next to libtriton_python.so: hence the writable copy.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer
+
+from orchestrion.testing import RedisServer
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import runpy
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import table
-
 import orchestrion
 from orchestrion import DataType, Model, ModelConfig, TensorConfig
 from orchestrion.protocols import DynamicBatching
 
 MODELS = Path(__file__).resolve().parent / "orchestrion_models"
+# bench/_common.py's text tables, run from its file (bench/ is no package, and this script's
+# folder is bench/vs_triton): nothing is added to sys.path.
+table = runpy.run_path(str(Path(__file__).resolve().parent.parent / "_common.py"))["table"]
 
 
 def _one_step(name: str, batching: bool) -> Model:

@@ -14,7 +14,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from reliability_report import AREAS, SIZE, TRIALS
+
+from support.reliability_report import AREAS, SIZE, TRIALS
 
 _UNRECORDED: dict[str, str] = {}
 """Tests of the suite that failed before recording a row: their node id and error line."""

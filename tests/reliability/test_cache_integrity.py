@@ -10,31 +10,17 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import redis as redis_client
 import tritonclient.grpc as grpcclient
-from redis_server import RedisServer
-from reliability_report import record
-from served import Served, get, post, start_server
+
+from orchestrion.testing import RedisServer, Served, post
+from support.reliability_report import record
+from support.served import cache_hits, pipeline_body, start_server
 
 _ALICE = "alice-session-7f3a9c"
-
-
-def _pipeline_body(value: float, **parameters: Any) -> bytes:
-    document: dict[str, Any] = {
-        "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16], "data": [value] * 16}]
-    }
-    if parameters:
-        document["parameters"] = parameters
-    return json.dumps(document).encode()
-
-
-def _hits(served: Served, model: str) -> int:
-    stats = json.loads(get(served.http, f"/v2/models/{model}/stats")[1])
-    return int(stats["model_stats"][0]["inference_stats"]["cache_hit"]["count"])
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -61,17 +47,17 @@ def test_a_hit_carries_only_the_hitting_requests_parameters(cache_flags: list[st
         status, body = post(
             served.http,
             "/v2/models/pipeline/infer",
-            _pipeline_body(3.0, sequence_id=_ALICE, sequence_start=True),
+            pipeline_body(3.0, sequence_id=_ALICE, sequence_start=True),
         )
         assert status == 200, body
         assert json.loads(body)["parameters"]["sequence_id"] == _ALICE
-        before = _hits(served, "pipeline")
-        status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(3.0))
+        before = cache_hits(served, "pipeline")
+        status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(3.0))
         assert status == 200, body
         if _ALICE.encode() in body or "parameters" in json.loads(body):
             leaks.append(f"HTTP: {body[:200]!r}")
         status, body = post(
-            served.http, "/v2/models/pipeline/infer", _pipeline_body(3.0, sequence_id="bob")
+            served.http, "/v2/models/pipeline/infer", pipeline_body(3.0, sequence_id="bob")
         )
         assert json.loads(body)["parameters"]["sequence_id"] == "bob"
         client = grpcclient.InferenceServerClient(served.grpc)
@@ -81,13 +67,13 @@ def test_a_hit_carries_only_the_hitting_requests_parameters(cache_flags: list[st
             answer = client.infer("pipeline", [tensor]).get_response()
             if _ALICE in str(answer) or answer.parameters:
                 leaks.append(f"gRPC: {answer.parameters}")
-            hits = _hits(served, "pipeline") - before
+            hits = cache_hits(served, "pipeline") - before
             # Ids Triton cannot hold are refused, and cannot break later gRPC answers.
             refused = [
                 post(
                     served.http,
                     "/v2/models/pipeline/infer",
-                    _pipeline_body(5.0).replace(
+                    pipeline_body(5.0).replace(
                         b"]}]}", b']}],"parameters":{"sequence_id":' + str(big).encode() + b"}}"
                     ),
                 )[0]
@@ -179,7 +165,7 @@ def test_no_answer_outlives_a_reload(cache_flags: list[str], tmp_path: Path) -> 
     try:
         assert _answers(explicit) == {"scaled": 10.0, "scaled_pipeline": 10.0}
         assert _answers(explicit) == {"scaled": 10.0, "scaled_pipeline": 10.0}  # hits
-        hits = _hits(explicit, "scaled") + _hits(explicit, "scaled_pipeline")
+        hits = cache_hits(explicit, "scaled") + cache_hits(explicit, "scaled_pipeline")
         for name in ("scaled", "step"):
             _set_factor(root, name, 20.0)
         # The ensemble's composing model alone: the ensemble's entries must go with it.
@@ -250,8 +236,8 @@ def test_replicas_of_other_revisions_never_share_entries(tmp_path: Path) -> None
                 time.sleep(0.02)
         got.append(_answers(servers[2]))
         store.close()
-        shared = _hits(servers[2], "scaled") + _hits(servers[2], "scaled_pipeline")
-        crossed = _hits(servers[1], "scaled") + _hits(servers[1], "scaled_pipeline")
+        shared = cache_hits(servers[2], "scaled") + cache_hits(servers[2], "scaled_pipeline")
+        crossed = cache_hits(servers[1], "scaled") + cache_hits(servers[1], "scaled_pipeline")
     finally:
         for served in servers:
             served.stop()
@@ -279,7 +265,7 @@ def test_a_forged_entrys_parameters_never_reach_a_client(tmp_path: Path) -> None
     served = start_server(*[f"--cache-config={value}" for value in redis.cache_config])
     store = redis_client.Redis(port=redis.port)
     try:
-        status, _ = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(9.0))
+        status, _ = post(served.http, "/v2/models/pipeline/infer", pipeline_body(9.0))
         assert status == 200
         deadline = time.monotonic() + 30
         while not (keys := store.keys("*")):
@@ -293,9 +279,9 @@ def test_a_forged_entrys_parameters_never_reach_a_client(tmp_path: Path) -> None
         header["parameters"] = {"sequence_id": _ALICE, "sequence_start": True}
         forged = json.dumps(header, separators=(",", ":")).encode()
         store.set(key, value[:8] + struct.pack("<I", len(forged)) + forged + value[12 + length :])
-        before = _hits(served, "pipeline")
-        status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(9.0))
-        hits = _hits(served, "pipeline") - before
+        before = cache_hits(served, "pipeline")
+        status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(9.0))
+        hits = cache_hits(served, "pipeline") - before
     finally:
         store.close()
         served.stop()

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import functools
 import http.client
-import json
 import logging
 import os
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,13 +22,7 @@ import trio
 import trio.testing
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from inprocess_servers import front_ends
-from mixed_load import case, check, grpc_inputs, http_call
-from redis_server import RedisServer
-from reliability_report import SIZE, record
-from served import Served, get, pending, start_server
 
-from builders import assert_idle, ensemble, gated, model, settled, step, tensor, with_fusion
 from orchestrion import (
     AsyncServer,
     InferenceError,
@@ -38,15 +30,27 @@ from orchestrion import (
     open_server,
 )
 from orchestrion.actors._watchdog import TICK
+from orchestrion.testing import (
+    RedisServer,
+    Served,
+    assert_idle,
+    case,
+    check,
+    ensemble,
+    gated,
+    grpc_inputs,
+    http_call,
+    model,
+    pending,
+    settled,
+    step,
+    tensor,
+    with_fusion,
+)
+from support.reliability_report import SIZE, record
+from support.served import cache_hits, front_ends, start_server, wait_until
 
 X = np.arange(16, dtype=np.float32)
-
-
-async def _wait_until(condition: Callable[[], bool], limit: float = 30.0) -> None:
-    # Polls: the state changes in reaction to sockets and threads, not to a trio event.
-    with trio.fail_after(limit):
-        while not condition():  # noqa: ASYNC110
-            await trio.sleep(0.01)
 
 
 def _pending(server: AsyncServer, name: str) -> int:
@@ -76,7 +80,7 @@ async def test_a_hanging_model_times_out_and_its_instance_recovers() -> None:
         async with trio.open_nursery() as nursery:
             for i in range(5):
                 nursery.start_soon(_infer_into, server, "stuck", X + i, queued)
-            await _wait_until(lambda: _pending(server, "stuck") == 5)
+            await wait_until(lambda: _pending(server, "stuck") == 5)
             assert queued == []  # behind the stuck execution
             release.set()
         for response in queued:
@@ -198,13 +202,13 @@ async def test_disconnect_storm_cancels_the_work_and_frees_every_slot() -> None:
                 outcome.append(await trio.to_thread.run_sync(grpc_clients))
 
             nursery.start_soon(run_grpc)
-            await _wait_until(lambda: _pending(server, "sleepy") >= http_clients)
+            await wait_until(lambda: _pending(server, "sleepy") >= http_clients)
             for stream in sockets:
                 await stream.aclose()
         assert len(outcome[0]) == grpc_calls
         assert all("DEADLINE" in s for s in outcome[0]), outcome[0]
-        await _wait_until(lambda: _pending(server, "sleepy") == 0)
-        await _wait_until(lambda: _pending(server, "repeat") == 0)
+        await wait_until(lambda: _pending(server, "sleepy") == 0)
+        await wait_until(lambda: _pending(server, "repeat") == 0)
         await trio.testing.wait_all_tasks_blocked(0.05)
         assert_idle(server)
         cancelled = server.model_statistics("sleepy")[0].failures_by_reason.get("CANCELED", 0)
@@ -308,7 +312,7 @@ async def test_cancellation_storm_while_producers_are_blocked_by_backpressure() 
 
 
 class NetworkLoad:
-    """The mixed load of `mixed_load.case` against a served process until stopped: HTTP from
+    """The mixed load of `orchestrion.testing.case` against a served process until stopped: HTTP from
     ``http_threads`` keep-alive connections (one thread each) and gRPC from one thread keeping
     ``grpc_in_flight`` calls in flight. Each request index is answered once, into `answers`
     (its outputs or its error), with its latency in `latency`."""
@@ -414,14 +418,9 @@ class NetworkLoad:
         client.close()
 
 
-def _cache_hits(served: Served) -> int:
-    stats = json.loads(get(served.http, "/v2/models/pipeline/stats")[1])
-    return int(stats["model_stats"][0]["inference_stats"]["cache_hit"]["count"])
-
-
 def _wait_for_hits(served: Served, above: int, limit: float = 30.0) -> int:
     deadline = time.monotonic() + limit
-    while (hits := _cache_hits(served)) <= above:
+    while (hits := cache_hits(served)) <= above:
         assert time.monotonic() < deadline, f"cache hits stuck at {hits}"
         time.sleep(0.05)
     return hits

@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_report import examples, record
-from served import MODELS, Served, get, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import orchestrion
 from orchestrion import ConfigError, ModelLoadError
+from orchestrion.testing import Served, get, post
+from support.reliability_report import examples, record
+from support.served import MODELS, start_server
 
 LIMIT = 65536
 """Both ``--grpc-max-message-size`` and ``--http-max-input-size`` of the served child."""

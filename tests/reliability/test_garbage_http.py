@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_report import examples, record
-from served import Served, post, start_server
+
+from orchestrion.testing import Served, post
+from support.reliability_report import examples, record
+from support.served import start_server
 
 DATATYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES", "FP8", ""]
 NAMES = ["IN_FP32", "IN_BYTES", "IN_BOOL", "IN_INT64", "IN_FP16", "INPUT", "", "IN_BF16"]

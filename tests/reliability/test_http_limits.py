@@ -9,14 +9,9 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import os
-import re
-import resource
-import selectors
 import signal
 import socket
 import statistics
-import subprocess
 import threading
 import time
 import zlib
@@ -25,108 +20,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from reliability_report import record
-from served import Served, get, pending, post, serve_command
 
-_STARTED = re.compile(r"Started (GRPCInferenceService|HTTPService|Metrics Service) at (\S+)")
+from orchestrion.testing import Served, get, pending, post
+from support.raw_http import connect_many, host_port, parse_reply, read_replies, read_until_closed
+from support.reliability_report import record
+from support.served import start_server, wait_until_live
+
 _LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
-_READERS: dict[int, threading.Thread] = {}
-"""The thread reading each started server's output, by process id."""
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _start(*flags: str, files: int | None = None, timeout: float = 120.0) -> Served:
-    """``orchestrion serve`` on free ports, with at most ``files`` descriptors when given;
-    its output is read into ``Served.output`` by a thread until it exits."""
-
-    def limit() -> None:
-        if files is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
-
-    process = subprocess.Popen(
-        serve_command(*flags),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "COLUMNS": "200"},
-        preexec_fn=limit,
-    )
-    served = Served(process)
-    assert process.stdout is not None
-    fd = process.stdout.fileno()
-
-    def read() -> None:
-        rest = b""
-        while chunk := os.read(fd, 65536):
-            *lines, rest = (rest + chunk).split(b"\n")
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                served.output.append(line)
-                if (match := _STARTED.search(line)) is not None:
-                    kind, address = match.groups()
-                    field = {"HTTPService": "http", "GRPCInferenceService": "grpc"}
-                    setattr(served, field.get(kind, "metrics"), address)
-        if rest:
-            served.output.append(rest.decode(errors="replace"))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    _READERS[process.pid] = reader
-    deadline = time.monotonic() + timeout
-    while not (served.http and served.grpc and served.metrics):
-        if process.poll() is not None or time.monotonic() > deadline:
-            _finish(served)
-            raise RuntimeError(f"server did not start: {served.text()}")
-        time.sleep(0.02)
-    return served
-
-
-def _finish(served: Served, *, signalled: bool = False) -> int:
-    """SIGTERM (unless ``signalled`` already), wait for the exit (bounded) and the rest of the
-    output; the exit code."""
-    if not signalled and served.process.poll() is None:
-        served.process.send_signal(signal.SIGTERM)
-    try:
-        code = served.process.wait(60)
-    finally:
-        if served.process.poll() is None:
-            served.process.kill()
-            served.process.wait(10)
-        _READERS.pop(served.process.pid).join(10)
-    return code
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
-def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, bool]:
-    """Everything ``sock`` receives within ``limit`` seconds; and whether the peer closed."""
-    reply = b""
-    deadline = time.monotonic() + limit
-    while (left := deadline - time.monotonic()) > 0:
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            return reply, False
-        except ConnectionResetError:
-            return reply, True
-        if not chunk:
-            return reply, True
-        reply += chunk
-    return reply, False
-
-
-def _answer(reply: bytes) -> tuple[int, dict[str, str], bytes]:
-    """The status, headers and body of the one HTTP answer in ``reply``."""
-    head, _, body = reply.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    assert lines[0].startswith("HTTP/1.1 "), reply[:200]
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    return int(lines[0].split(" ", 2)[1]), headers, body
 
 
 def _log_problems(served: Served) -> list[str]:
@@ -140,9 +43,9 @@ def _log_problems(served: Served) -> list[str]:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Served]:
     """A server whose head and body deadlines are 1 s, so the slow clients are cut quickly."""
-    served = _start("--http-header-timeout", "1", "--http-body-timeout", "1")
+    served = start_server("--http-header-timeout", "1", "--http-body-timeout", "1")
     yield served
-    assert _finish(served) == 0, served.text()
+    assert served.stop() == 0, served.text()
 
 
 # -- descriptors and connections -----------------------------------------------------------
@@ -154,44 +57,29 @@ def test_more_silent_connections_than_descriptors_get_503_and_others_are_served(
     connection are still served, new HTTP connections are again once the silent ones leave, and
     the log has one warning about the limit and no EMFILE."""
     files, flood = 256, 300
-    served = _start(files=files)
-    address = _host_port(served.http)
+    served = start_server(files=files)
     silent: list[socket.socket] = []
     statuses: list[int] = []
     try:
-        with socket.create_connection(address, timeout=10) as keeper:
+        with socket.create_connection(host_port(served.http), timeout=10) as keeper:
             keeper.sendall(_LIVE)
-            assert _answer(keeper.recv(65536))[0] == 200
+            assert parse_reply(keeper.recv(65536))[0] == 200
             started = time.monotonic()
-            silent = [socket.create_connection(address, timeout=10) for _ in range(flood)]
+            silent = connect_many(served.http, flood)
             # Those over the limit are answered and closed; the others stay silent.
-            selector = selectors.DefaultSelector()
-            replies: dict[socket.socket, bytes] = {}
             for sock in silent:
                 sock.setblocking(False)
-                selector.register(sock, selectors.EVENT_READ)
-                replies[sock] = b""
+            replies = dict.fromkeys(silent, b"")
+            closed: dict[socket.socket, float] = {}
             expected = flood - (files // 2 - 1)  # the keep-alive connection holds one slot
             deadline = time.monotonic() + 30
-            while len(statuses) < expected and time.monotonic() < deadline:
-                for key, _ in selector.select(timeout=0.5):
-                    sock = key.fileobj
-                    assert isinstance(sock, socket.socket)
-                    try:
-                        chunk = sock.recv(65536)
-                    except ConnectionResetError:
-                        chunk = b""
-                    if chunk:
-                        replies[sock] += chunk
-                        continue
-                    selector.unregister(sock)
-                    sock.close()  # as a client does after ``connection: close``
-                    status, headers, body = _answer(replies[sock])
-                    statuses.append(status)
-                    assert headers.get("connection") == "close", headers
-                    assert "--http-max-connections" in json.loads(body)["error"], body
+            read_replies(silent, replies, closed, until=deadline, wanted=expected, close=True)
             refused_in = time.monotonic() - started
-            selector.close()
+            for sock in closed:
+                status, headers, body = parse_reply(replies[sock])
+                statuses.append(status)
+                assert headers.get("connection") == "close", headers
+                assert "--http-max-connections" in json.loads(body)["error"], body
             assert statuses == [503] * expected, (len(statuses), set(statuses))
 
             # While the limit is reached: gRPC, and the connection that was already open.
@@ -200,18 +88,16 @@ def test_more_silent_connections_than_descriptors_get_503_and_others_are_served(
                 assert client.is_server_live()
             grpc_seconds = time.monotonic() - began
             keeper.sendall(_LIVE)
-            assert _answer(keeper.recv(65536))[0] == 200
+            assert parse_reply(keeper.recv(65536))[0] == 200
             assert get(served.metrics, "/metrics")[0] == 200
             assert get(served.http, "/v2/health/live")[0] == 503
         for sock in silent:
             sock.close()
-        deadline = time.monotonic() + 10
-        while (status := get(served.http, "/v2/health/live")[0]) != 200:
-            assert time.monotonic() < deadline, status
+        wait_until_live(served)
     finally:
         for sock in silent:
             sock.close()
-        code = _finish(served)
+        code = served.stop()
     assert code == 0, served.text()
     warnings = [line for line in served.output if "connection limit reached" in line]
     assert len(warnings) == 1, warnings
@@ -233,11 +119,10 @@ def test_accept_failures_are_logged_once_per_episode() -> None:
     connections make accept fail with EMFILE: one warning line, no traceback, and the server
     serves again once they close."""
     files, flood = 128, 200
-    served = _start("--http-max-connections", "1000", files=files)
+    served = start_server("--http-max-connections", "1000", files=files)
     silent: list[socket.socket] = []
     try:
-        address = _host_port(served.http)
-        silent = [socket.create_connection(address, timeout=10) for _ in range(flood)]
+        silent = connect_many(served.http, flood)
         deadline = time.monotonic() + 10
         while not any("cannot accept" in line for line in served.output):
             assert time.monotonic() < deadline, "no accept failure reported"
@@ -245,13 +130,11 @@ def test_accept_failures_are_logged_once_per_episode() -> None:
         time.sleep(1.0)  # the attack goes on: ten retries of accept, at least
         for sock in silent:
             sock.close()
-        deadline = time.monotonic() + 10
-        while (status := get(served.http, "/v2/health/live")[0]) != 200:
-            assert time.monotonic() < deadline, status
+        wait_until_live(served)
     finally:
         for sock in silent:
             sock.close()
-        code = _finish(served)
+        code = served.stop()
     assert code == 0, served.text()
     failures = [line for line in served.output if "cannot accept" in line]
     assert len(failures) == 1, failures
@@ -298,13 +181,13 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
     """Heads sent a byte every 0.2 s and a POST declaring 100 bytes that never come get a
     408 and a close within the 1 s deadline (plus slack); a connection that sends nothing is
     closed silently; a health probe meanwhile is answered promptly."""
-    address = _host_port(server.http)
+    address = host_port(server.http)
     head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
     attackers = 10
     prober = _Prober(server.http)
     try:
         began = time.monotonic()
-        trickling = [socket.create_connection(address, timeout=10) for _ in range(attackers)]
+        trickling = connect_many(server.http, attackers)
         sent = dict.fromkeys(trickling, 0)
         replies = dict.fromkeys(trickling, b"")
         cut: dict[socket.socket, float] = {}
@@ -316,29 +199,13 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
                         sock.send(head[sent[sock] : sent[sock] + 1])
                     sent[sock] += 1
             # Paces the trickle (one byte each per 0.2 s) and reads the answers meanwhile.
-            readable = selectors.DefaultSelector()
-            for sock in trickling:
-                if sock not in cut:
-                    readable.register(sock, selectors.EVENT_READ)
             until = time.monotonic() + 0.2
-            while (left := until - time.monotonic()) > 0 and len(cut) < attackers:
-                for key, _ in readable.select(timeout=left):
-                    sock = key.fileobj
-                    assert isinstance(sock, socket.socket)
-                    try:
-                        chunk = sock.recv(65536)
-                    except ConnectionResetError:
-                        chunk = b""
-                    replies[sock] += chunk
-                    if not chunk:
-                        cut[sock] = time.monotonic() - began
-                        readable.unregister(sock)
-            readable.close()
+            read_replies(trickling, replies, cut, until=until, wanted=attackers, began=began)
         for sock in trickling:
             sock.close()
         assert len(cut) == attackers, f"{attackers - len(cut)} trickling heads still open"
         for sock in trickling:
-            status, headers, body = _answer(replies[sock])
+            status, headers, body = parse_reply(replies[sock])
             assert status == 408, replies[sock][:200]
             assert headers.get("connection") == "close"
             assert "--http-header-timeout" in json.loads(body)["error"]
@@ -351,16 +218,16 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
             sock.sendall(
                 b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
             )
-            reply, closed = _read_until_closed(sock, 10)
+            reply, closed = read_until_closed(sock, 10)
             body_seconds = time.monotonic() - began
-        status, headers, body = _answer(reply)
+        status, headers, body = parse_reply(reply)
         assert (status, closed) == (408, True), reply[:200]
         assert "--http-body-timeout" in json.loads(body)["error"]
         assert body_seconds < 1 + 1.5, body_seconds
 
         with socket.create_connection(address, timeout=10) as sock:
             began = time.monotonic()
-            reply, closed = _read_until_closed(sock, 10)
+            reply, closed = read_until_closed(sock, 10)
             silent_seconds = time.monotonic() - began
         assert (reply, closed) == (b"", True)
         assert silent_seconds < 1 + 1.5, silent_seconds
@@ -391,14 +258,14 @@ def test_content_length_with_transfer_encoding_is_answered_then_closed(server: S
     """A POST with both Content-Length and Transfer-Encoding is read as chunked, answered with
     ``connection: close``, and its connection closed: the request hidden after its chunked body
     is never answered (RFC 9112 §6.1)."""
-    with socket.create_connection(_host_port(server.http), timeout=10) as sock:
+    with socket.create_connection(host_port(server.http), timeout=10) as sock:
         sock.sendall(
             b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n" + _LIVE
         )
-        reply, closed = _read_until_closed(sock, 5)
+        reply, closed = read_until_closed(sock, 5)
     assert reply.count(b"HTTP/1.1 ") == 1, reply
-    status, headers, body = _answer(reply)
+    status, headers, body = parse_reply(reply)
     assert status == 200, reply[:300]
     assert isinstance(json.loads(body), list)
     assert headers.get("connection") == "close"
@@ -514,13 +381,13 @@ def test_an_input_with_json_and_binary_data_is_400(server: Served) -> None:
 def test_request_cut_off_at_the_exit_timeout_gets_503() -> None:
     """A request still running when the exit timeout (1 s) passes is answered with a JSON 503
     saying the server is shutting down, not with a bare close; the server then exits 0."""
-    served = _start("--exit-timeout-secs", "1")
+    served = start_server("--exit-timeout-secs", "1")
     signalled = False
     try:
         body = json.dumps(
             {"inputs": [{"name": "DELAY", "datatype": "FP32", "shape": [1], "data": [30.0]}]}
         ).encode()
-        with socket.create_connection(_host_port(served.http), timeout=10) as sock:
+        with socket.create_connection(host_port(served.http), timeout=10) as sock:
             sock.sendall(
                 b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
                 b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
@@ -531,14 +398,14 @@ def test_request_cut_off_at_the_exit_timeout_gets_503() -> None:
             served.process.send_signal(signal.SIGTERM)
             signalled = True
             began = time.monotonic()
-            reply, closed = _read_until_closed(sock, 20)
+            reply, closed = read_until_closed(sock, 20)
             answered = time.monotonic() - began
     finally:
-        code = _finish(served, signalled=signalled)
+        code = served.stop(how=None if signalled else signal.SIGTERM)
     exited = time.monotonic() - began
     assert code == 0, served.text()
     assert reply, "a bare close"
-    status, headers, answer = _answer(reply)
+    status, headers, answer = parse_reply(reply)
     assert status == 503, reply[:300]
     assert headers.get("connection") == "close"
     assert "shutting down" in json.loads(answer)["error"], answer

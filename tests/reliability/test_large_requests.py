@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from reliability_report import SIZE, record
-from served import Served, start_server
+
+from orchestrion.testing import Served, rss_kib
+from support.reliability_report import SIZE, record
+from support.served import start_server
 
 _MIB = 1 << 20
 
@@ -53,20 +54,13 @@ class _Prober:
             response.read()
             assert response.status == 200
             self.latencies.append(time.perf_counter() - began)
-            self.rss_kib.append(_rss_kib(self.served))
+            self.rss_kib.append(rss_kib(self.served.process.pid))
             self.done.wait(0.02)
 
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join(60)
         self.connection.close()
-
-
-def _rss_kib(served: Served) -> int:
-    with open(f"/proc/{served.process.pid}/status") as file:
-        match = re.search(r"VmRSS:\s+(\d+) kB", file.read())
-    assert match is not None
-    return int(match.group(1))
 
 
 def _post(served: Served, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, float]:
@@ -133,7 +127,7 @@ def test_large_bodies_leave_the_event_loop(served: Served) -> None:
     }
     rows = []
     for what, (body, headers) in cases.items():
-        rss_before = _rss_kib(served)
+        rss_before = rss_kib(served.process.pid)
         with _Prober(served) as prober:
             prober.done.wait(0.2)  # a few probes before, to compare
             status, answer, took = _post(served, body, headers)

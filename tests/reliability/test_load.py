@@ -11,18 +11,25 @@ from __future__ import annotations
 import gc
 import http.client
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 import trio.testing
 import tritonclient.grpc as grpcclient
-from inprocess_servers import front_ends
-from mixed_load import at_rest, case, check, embedding_round, grpc_inputs, http_call
-from reliability_report import SIZE, record
 
 from orchestrion import InferenceError
+from orchestrion.testing import (
+    at_rest,
+    case,
+    check,
+    embedding_round,
+    grpc_inputs,
+    http_call,
+    rss_kib,
+)
+from support.reliability_report import SIZE, record
+from support.served import front_ends
 
 REQUESTS = SIZE
 CONCURRENCY = 128
@@ -126,13 +133,6 @@ async def test_http_and_grpc_under_load_answer_each_request_once() -> None:
     )
 
 
-def _rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 async def test_memory_does_not_grow_across_rounds() -> None:
     """After a warm-up round, rounds of the same mixed load leave RSS flat: the least-squares
     slope is reported, and the growth from the first to the last round stays within the
@@ -147,7 +147,7 @@ async def test_memory_does_not_grow_across_rounds() -> None:
             at_rest(server)
             gc.collect()
             if number:  # round 0 warms up: compilations, caches, pools
-                samples.append(_rss_kib())
+                samples.append(rss_kib())
     slope = float(np.polyfit(np.arange(rounds), np.array(samples, float), 1)[0])
     growth = samples[-1] - samples[0]
     leak_per_request = 1.0  # KiB: the smallest leak this test is sized to catch

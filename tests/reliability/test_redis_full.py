@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis_server import RedisServer
-from reliability_report import SIZE, record
-from served import Served, get, start_server
+
+from orchestrion.testing import RedisServer, Served, get
+from support.reliability_report import SIZE, record
+from support.served import cache_hits, start_server
 
 STORED = 20
 """Inputs cached before Redis fills up."""
@@ -43,11 +44,6 @@ def _infer(connection: http.client.HTTPConnection, x: np.ndarray[Any, Any]) -> N
         outputs["CLASS"], np.stack([pre[:, :8].sum(1), pre[:, 8:].sum(1)], 1), rtol=1e-5, atol=1e-5
     )
     np.testing.assert_allclose(outputs["SEG"], -pre, rtol=1e-5, atol=1e-5)
-
-
-def _cache_hits(served: Served) -> int:
-    stats = json.loads(get(served.http, "/v2/models/pipeline/stats")[1])
-    return int(stats["model_stats"][0]["inference_stats"]["cache_hit"]["count"])
 
 
 def _metric(served: Served, name: str) -> float:
@@ -85,11 +81,11 @@ def test_a_full_redis_refuses_writes_without_an_outage(redis_server: RedisServer
             _infer(connection, _input(seed))
         _wait_for_entries(client, STORED)
         fillers = redis_server.fill()
-        hits_before = _cache_hits(served)
+        hits_before = cache_hits(served)
         failures_before = _metric(served, "orchestrion_cache_insert_failures_total")
         for i in range(rounds):  # every other request a stored input, the others new ones
             _infer(connection, _input(i // 2 % STORED if i % 2 == 0 else 10_000 + i))
-        hits = _cache_hits(served) - hits_before
+        hits = cache_hits(served) - hits_before
         # The last inserts may still be on their way to Redis: wait (bounded) for them.
         deadline = time.monotonic() + 30
         while (
@@ -102,11 +98,11 @@ def test_a_full_redis_refuses_writes_without_an_outage(redis_server: RedisServer
         assert hits >= 0.95 * expected_hits, f"{hits} hits of {expected_hits} stored inputs"
 
         client.config_set("maxmemory", 0)  # memory freed: writes are accepted again
-        hits_before = _cache_hits(served)
+        hits_before = cache_hits(served)
         _infer(connection, _input(99_999))
         _wait_for_entries(client, STORED + 1)
         _infer(connection, _input(99_999))
-        hit_after = _cache_hits(served) - hits_before
+        hit_after = cache_hits(served) - hits_before
     finally:
         connection.close()
         client.close()

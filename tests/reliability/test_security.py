@@ -4,14 +4,12 @@ before use, and a load API that never leaves the model repository."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import gzip
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -27,50 +25,14 @@ import pytest
 import redis
 import tritonclient.grpc as grpcclient
 import trustme
-from redis_server import RedisServer
-from reliability_report import record
-from served import MODELS, Served, get, post, serve_command, start_server
 from tritonclient.utils import InferenceServerException
 
+from orchestrion.testing import RedisServer, Served, get, post
+from support.raw_http import exchange, host_port, status_of
+from support.reliability_report import record
+from support.served import MODELS, pipeline_body, serve_command, start_server
+
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _pipeline_body(value: float) -> bytes:
-    return json.dumps(
-        {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16], "data": [value] * 16}]}
-    ).encode()
-
-
-def _drain(served: Served) -> threading.Thread:
-    """Read the server's output from now on into ``served.output`` (a verbose server must never
-    block on a full pipe), line by line, until it exits."""
-    assert served.process.stdout is not None
-    fd = served.process.stdout.fileno()
-
-    def read() -> None:
-        pending = b""
-        while chunk := os.read(fd, 65536):
-            *lines, pending = (pending + chunk).split(b"\n")
-            served.output.extend(line.decode(errors="replace") for line in lines)
-        if pending:
-            served.output.append(pending.decode(errors="replace"))
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
-def _finish(served: Served, reader: threading.Thread) -> int:
-    """SIGTERM, wait for the exit (bounded), and for the rest of its output."""
-    served.process.send_signal(signal.SIGTERM)
-    try:
-        code = served.process.wait(60)
-    finally:
-        if served.process.poll() is None:
-            served.process.kill()
-            served.process.wait(10)
-        reader.join(10)
-    return code
 
 
 def _wait_for(served: Served, text: str, since: int = 0, timeout: float = 10.0) -> bool:
@@ -126,11 +88,6 @@ def _external_ipv4() -> str | None:
     return None
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
 def _refused(host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=3).close()
@@ -150,7 +107,7 @@ def test_binds_loopback_unless_told_otherwise() -> None:
     try:
         endpoints = {"http": served.http, "grpc": served.grpc, "metrics": served.metrics}
         for kind, address in endpoints.items():
-            host, port = _host_port(address)
+            host, port = host_port(address)
             assert host == "127.0.0.1", (kind, address)
             if external is not None:
                 assert _refused(external, port), f"{kind} answers on {external}:{port}"
@@ -159,28 +116,28 @@ def test_binds_loopback_unless_told_otherwise() -> None:
 
     served = start_server("--http-address", "0.0.0.0")
     try:
-        assert _host_port(served.http)[0] == "0.0.0.0"
-        assert _host_port(served.grpc)[0] == "127.0.0.1"
-        assert _host_port(served.metrics)[0] == "127.0.0.1"
+        assert host_port(served.http)[0] == "0.0.0.0"
+        assert host_port(served.grpc)[0] == "127.0.0.1"
+        assert host_port(served.metrics)[0] == "127.0.0.1"
         if external is not None:
-            port = _host_port(served.http)[1]
+            port = host_port(served.http)[1]
             assert get(f"{external}:{port}", "/v2/health/live")[0] == 200
-            assert _refused(external, _host_port(served.grpc)[1])
-            assert _refused(external, _host_port(served.metrics)[1])
+            assert _refused(external, host_port(served.grpc)[1])
+            assert _refused(external, host_port(served.metrics)[1])
     finally:
         assert served.stop() == 0, served.text()
 
     served = start_server("--host", "0.0.0.0")
     try:
         for address in (served.http, served.grpc, served.metrics):
-            assert _host_port(address)[0] == "0.0.0.0", address
+            assert host_port(address)[0] == "0.0.0.0", address
         if external is not None:
-            http_port = _host_port(served.http)[1]
+            http_port = host_port(served.http)[1]
             assert get(f"{external}:{http_port}", "/v2/health/live")[0] == 200
-            metrics_port = _host_port(served.metrics)[1]
+            metrics_port = host_port(served.metrics)[1]
             assert get(f"{external}:{metrics_port}", "/metrics")[0] == 200
             with grpcclient.InferenceServerClient(
-                f"{external}:{_host_port(served.grpc)[1]}"
+                f"{external}:{host_port(served.grpc)[1]}"
             ) as client:
                 assert client.is_server_live()
     finally:
@@ -195,29 +152,6 @@ def test_binds_loopback_unless_told_otherwise() -> None:
 
 
 # -- size limits ---------------------------------------------------------------------------
-
-
-def _raw_exchange(address: str, data: bytes, timeout: float = 10.0) -> bytes:
-    with socket.create_connection(_host_port(address), timeout=timeout) as sock:
-        # Refused before the whole request was sent: read the answer anyway.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(data)
-        reply = b""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                chunk = sock.recv(65536)
-            except (TimeoutError, ConnectionResetError):
-                break
-            if not chunk:
-                break
-            reply += chunk
-        return reply
-
-
-def _status(reply: bytes) -> int:
-    assert reply.startswith(b"HTTP/1.1 "), reply[:100]
-    return int(reply.split(b" ", 2)[1])
 
 
 def _identity_fp32(count: int) -> grpcclient.InferInput:
@@ -237,20 +171,20 @@ def test_request_and_message_size_limits() -> None:
         assert status == 413, body
         assert b"--http-max-input-size" in body
         chunks = b"".join(b"7d0\r\n" + b" " * 2000 + b"\r\n" for _ in range(3)) + b"0\r\n\r\n"
-        reply = _raw_exchange(
+        reply = exchange(
             served.http,
             f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
             + chunks,
         )
-        assert _status(reply) == 413, reply[:300]
+        assert status_of(reply) == 413, reply[:300]
         bomb = gzip.compress(b" " * 1_000_000)
         status, body = post(served.http, path, bomb, {"Content-Encoding": "gzip"})
         assert status == 413, body
-        reply = _raw_exchange(
+        reply = exchange(
             served.http,
             b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
         )
-        assert _status(reply) in (400, 431), reply[:300]
+        assert status_of(reply) in (400, 431), reply[:300]
         with grpcclient.InferenceServerClient(served.grpc) as client:
             with pytest.raises(InferenceServerException) as refused:
                 client.infer("identity_batch", [_identity_fp32(4096)])
@@ -259,7 +193,7 @@ def test_request_and_message_size_limits() -> None:
             np.testing.assert_array_equal(
                 small.as_numpy("OUT_FP32"), np.arange(16, dtype=np.float32).reshape(1, 16)
             )
-        status, body = post(served.http, path, _pipeline_body(1.0))
+        status, body = post(served.http, path, pipeline_body(1.0))
         assert status == 200, body
     finally:
         assert served.stop() == 0, served.text()
@@ -298,7 +232,7 @@ class _Load:
         i = 0
         while not self._stop.is_set():
             status, _ = post(
-                self.address, "/v2/models/pipeline/infer", _pipeline_body(index * 1000 + i % 50)
+                self.address, "/v2/models/pipeline/infer", pipeline_body(index * 1000 + i % 50)
             )
             self.statuses.append(status)
             i += 1
@@ -326,7 +260,7 @@ def _everything_reported(served: Served) -> list[str]:
     for path, body in (
         ("/v2/repository/index", b"{}"),
         ("/v2/models/pipeline/infer", b"{not json"),
-        ("/v2/models/nope/infer", _pipeline_body(1.0)),
+        ("/v2/models/nope/infer", pipeline_body(1.0)),
         ("/v2/repository/models/pipeline/load", b"{}"),
         ("/v2/models/pipeline/infer", b'{"inputs": [{"name": "X"}]}'),
     ):
@@ -380,10 +314,9 @@ def test_redis_password_never_appears_in_output_or_answers(tmp_path: Path, sourc
         assert secret not in output
 
         served = start_server(*flags, "--log-verbose", "1", env=env)
-        reader = _drain(served)
         try:
             for _ in range(2):
-                status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(1))
+                status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(1))
                 assert status == 200, body
             reported = _everything_reported(served)
             load = _Load(served.http)
@@ -400,7 +333,7 @@ def test_redis_password_never_appears_in_output_or_answers(tmp_path: Path, sourc
             load.stop()
             reported += _everything_reported(served)
         finally:
-            code = _finish(served, reader)
+            code = served.stop()
         assert code == 0, served.text()[-3000:]
         assert outage, served.text()[-3000:]
         assert recovered, served.text()[-3000:]
@@ -492,13 +425,13 @@ def test_redis_over_tls_end_to_end(tls_redis: tuple[RedisServer, dict[str, str]]
     flags = [f"--cache-config={c}" for c in server.cache_config] + _tls_flags(files)
     served = start_server(*flags)
     try:
-        first = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(7.0))
+        first = post(served.http, "/v2/models/pipeline/infer", pipeline_body(7.0))
         assert first[0] == 200, first
         deadline = time.monotonic() + 10
         while not client.keys("orchestrion:*"):  # written over TLS
             assert time.monotonic() < deadline, "the entry never reached Redis"
             time.sleep(0.02)
-        second = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(7.0))
+        second = post(served.http, "/v2/models/pipeline/infer", pipeline_body(7.0))
         assert second[0] == 200, second
         assert json.loads(first[1])["outputs"] == json.loads(second[1])["outputs"]
         assert _pipeline_cache_counts(served) == (1, 1)  # read back over TLS
@@ -574,15 +507,14 @@ def cached_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Cache
     client = redis.Redis(host="127.0.0.1", port=server.port)
     flags = [f"--cache-config={c}" for c in server.cache_config]
     served = start_server(*flags, "--log-verbose", "1")
-    reader = _drain(served)
     try:
         state = _CachedPipeline(served, client)
-        status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(1.0))
+        status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(1.0))
         assert status == 200, body
         state.reference_a = json.loads(body)["outputs"]
         state.settle(1)
         (state.key_a,) = state.keys()
-        status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(2.0))
+        status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(2.0))
         assert status == 200, body
         assert json.loads(body)["outputs"] != state.reference_a
         state.settle(2)
@@ -591,7 +523,7 @@ def cached_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Cache
         state.original_b = client.get(state.key_b) or b""
         yield state
     finally:
-        code = _finish(served, reader)
+        code = served.stop()
         client.close()
         server.stop()
     assert code == 0, served.text()[-3000:]
@@ -605,7 +537,7 @@ def _trial(state: _CachedPipeline, value: bytes) -> tuple[bool, bool, list[str]]
     state.client.set(state.key_a, value)
     hits, misses = _pipeline_cache_counts(served)
     mark = len(served.output)
-    status, body = post(served.http, "/v2/models/pipeline/infer", _pipeline_body(1.0))
+    status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(1.0))
     assert status == 200, body
     after_hits, after_misses = _pipeline_cache_counts(served)
     miss = (after_hits, after_misses) == (hits, misses + 1)

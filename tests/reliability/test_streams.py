@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import socket
 import threading
 import time
@@ -17,9 +16,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from reliability_report import SIZE, record
-from served import Served, get, post, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from orchestrion.testing import Served, get, post, rss_kib
+from support.reliability_report import SIZE, record
+from support.served import start_server
 
 _STOP = object()
 
@@ -79,14 +80,6 @@ class _Stream:
         self.outbox.put(_STOP)
         self.call.cancel()
         self.channel.close()
-
-
-def _rss_kib(served: Served) -> int:
-    with open(f"/proc/{served.process.pid}/status") as file:
-        status = file.read()
-    match = re.search(r"VmRSS:\s+(\d+) kB", status)
-    assert match is not None
-    return int(match.group(1))
 
 
 def _cpu_seconds(served: Served) -> float:
@@ -303,7 +296,7 @@ def test_a_client_that_never_reads_stops_the_streams_producers(tmp_path: Path) -
         stream.send(_request("wide_repeat", "X", 2**31 - 1))
         assert _output(stream.read(1)[0].infer_response) == 0
         proxy.reading.clear()
-        rss_before, paused = _rss_kib(served), time.monotonic()
+        rss_before, paused = rss_kib(served.process.pid), time.monotonic()
         # The socket buffers and the HTTP/2 window fill first (megabytes of small
         # responses); then the producer must stop: a full second with (almost) no CPU.
         cpu, idle_at = _cpu_seconds(served), None
@@ -312,9 +305,9 @@ def test_a_client_that_never_reads_stops_the_streams_producers(tmp_path: Path) -
             cpu, busy = _cpu_seconds(served), _cpu_seconds(served) - cpu
             if busy < 0.1:
                 idle_at = time.monotonic() - paused
-        grown_kib = _rss_kib(served) - rss_before
+        grown_kib = rss_kib(served.process.pid) - rss_before
         time.sleep(2.0)  # still stopped, and still holding
-        held_kib = _rss_kib(served) - rss_before
+        held_kib = rss_kib(served.process.pid) - rss_before
         proxy.reading.set()
         values = [_output(r.infer_response) for r in stream.read(20000)]
     finally:
@@ -354,10 +347,10 @@ def test_a_stream_of_new_sequence_ids_holds_no_memory_for_idle_ones(served: Serv
 
         for warm in range(0, 2 * batch, batch):
             round_(-warm - batch)
-        before = _rss_kib(served)
+        before = rss_kib(served.process.pid)
         for first in range(0, count, batch):
             round_(first)
-        grown_kib = _rss_kib(served) - before
+        grown_kib = rss_kib(served.process.pid) - before
     finally:
         stream.close()
     assert grown_kib < 20 * 1024, f"RSS grew {grown_kib} KiB over {count} sequence ids"

@@ -1,0 +1,435 @@
+"""Review of the network front end (`orchestrion serve`): HTTP robustness, the binary tensor
+extension, gRPC edges, model control and shutdown. Real clients and sockets, loopback only."""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from orchestrion.testing import Served, post
+from support.served import MODELS, start_server
+
+ECHO_CONFIG = """
+name: "{name}"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }} ]
+"""
+ECHO_MODEL = """
+import json
+import numpy as np
+
+JIT = False
+
+
+def execute(request, X):
+    doc = {
+        "parameters": dict(request.parameters),
+        "priority": request.priority,
+        "timeout": request.timeout,
+        "id": request.request_id,
+    }
+    return {"INFO": np.array([json.dumps(doc).encode()], dtype=object)}
+"""
+
+
+def _echo_model(repository: Path, name: str) -> None:
+    folder = repository / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(ECHO_CONFIG.format(name=name))
+    (folder / "1" / "model.py").write_text(ECHO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Served]:
+    served = start_server("--exit-timeout-secs=5")
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def repo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Path]]:
+    """Explicit mode over a private repository (echo models, sleepy, square)."""
+    repository = tmp_path_factory.mktemp("repo")
+    for name in ("sleepy", "square", "pipeline", "preprocess", "classify", "segment"):
+        shutil.copytree(MODELS / name, repository / name)
+    _echo_model(repository, "echo")
+    _echo_model(repository, "my model")
+    served = start_server(
+        "--model-control-mode=explicit",
+        "--load-model",
+        "*",
+        "--exit-timeout-secs=5",
+        repository=repository,
+    )
+    yield served, repository
+    served.stop()
+
+
+def _address(served: Served) -> tuple[str, int]:
+    host, port = served.http.rsplit(":", 1)
+    return host, int(port)
+
+
+def _exchange(served: Served, data: bytes, *, timeout: float = 10.0) -> bytes:
+    """Send raw bytes on a fresh connection and read until the server closes (bounded)."""
+    with socket.create_connection(_address(served), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+def _status_and_body(reply: bytes) -> tuple[int, bytes]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def _still_serving(served: Served) -> None:
+    client = httpclient.InferenceServerClient(served.http)
+    try:
+        item = httpclient.InferInput("Y", [1], "INT32")
+        item.set_data_from_numpy(np.array([7], np.int32))
+        assert client.infer("square", [item]).as_numpy("Z").tolist() == [49]
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------------ binary tensors
+
+
+def test_http_binary_bytes_with_a_huge_shape_is_400_quickly(server: Served) -> None:
+    """A BYTES input of shape [1, 10**12] with 4 bytes of binary data is a 400 (not a 500)."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN_BYTES",
+                    "datatype": "BYTES",
+                    "shape": [1, 10**12],
+                    "parameters": {"binary_data_size": 4},
+                }
+            ]
+        }
+    ).encode()
+    started = time.monotonic()
+    status, body = post(
+        server.http,
+        "/v2/models/identity_batch/infer",
+        header + b"\0\0\0\0",
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert time.monotonic() - started < 5
+    assert status == 400, body
+    assert "error" in json.loads(body)
+    _still_serving(server)
+
+
+def test_http_empty_tensor_with_a_huge_dim_is_400(server: Served) -> None:
+    """A JSON input of shape [0, 10**30] (no elements, impossible dim) is a 400, not a 500."""
+    body = json.dumps(
+        {"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": [0, 10**30], "data": []}]}
+    ).encode()
+    status, reply = post(server.http, "/v2/models/identity_batch/infer", body)
+    assert status == 400, reply
+
+
+def test_grpc_raw_bytes_with_a_huge_shape_is_invalid_argument(server: Served) -> None:
+    """gRPC raw BYTES of shape [1, 10**12] with 4 bytes is INVALID_ARGUMENT, not INTERNAL."""
+    request = service_pb2.ModelInferRequest(model_name="identity_plain")
+    tensor = request.inputs.add(name="IN_BYTES", datatype="BYTES")
+    tensor.shape.extend([2, 10**12])
+    request.raw_input_contents.append(b"\0\0\0\0")
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+
+
+def test_grpc_stream_survives_a_request_with_a_huge_shape(server: Served) -> None:
+    """On a stream, a BYTES request of shape [1, 10**12] gets an error response and the
+    next request on the same stream is still answered."""
+    bad = service_pb2.ModelInferRequest(model_name="identity_plain", id="bad")
+    tensor = bad.inputs.add(name="IN_BYTES", datatype="BYTES")
+    tensor.shape.extend([2, 10**12])
+    bad.raw_input_contents.append(b"\0\0\0\0")
+    good = service_pb2.ModelInferRequest(model_name="square", id="good")
+    good.inputs.add(name="Y", datatype="INT32", shape=[1])
+    good.raw_input_contents.append(np.array([3], np.int32).tobytes())
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        replies = []
+        try:
+            for reply in stub.ModelStreamInfer(iter([bad, good]), timeout=15):
+                replies.append(reply)
+        except grpc.RpcError as exc:
+            pytest.fail(f"the stream failed: {exc.code()} {exc.details()}")
+    by_id = {r.infer_response.id: r for r in replies}
+    assert by_id["bad"].error_message
+    assert not by_id["good"].error_message
+    assert np.frombuffer(by_id["good"].infer_response.raw_output_contents[0], np.int32)[0] == 9
+
+
+# ------------------------------------------------------------------------ HTTP protocol
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404),
+        (b"DELETE /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 405),
+        (
+            b"POST /v2/models/square/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
+            415,
+        ),
+    ],
+    ids=["404", "405", "415"],
+)
+def test_routing_errors_are_not_reported_as_internal(
+    server: Served, request_bytes: bytes, status: int
+) -> None:
+    """404/405/415 answers carry a plain {"error": msg}, not 'internal error: _HttpError'."""
+    got, body = _status_and_body(_exchange(server, request_bytes))
+    assert got == status
+    message = json.loads(body)["error"]
+    assert "internal error" not in message, message
+    assert "_HttpError" not in message, message
+
+
+def test_headers_over_the_limit_are_refused(server: Served) -> None:
+    """A 100 KiB header (over MAX_HEADER_SIZE, 64 KiB) is refused with 431 (or 400)."""
+    reply = _exchange(
+        server,
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
+        + b"a" * 100_000
+        + b"\r\n\r\n",
+    )
+    status, _ = _status_and_body(reply)
+    assert status in (400, 431), reply[:200]
+
+
+def test_percent_encoded_model_name(repo_server: tuple[Served, Path]) -> None:
+    """tritonclient percent-encodes model names in URLs: 'my model' is served over HTTP."""
+    served, _ = repo_server
+    client = httpclient.InferenceServerClient(served.http)
+    try:
+        with grpcclient.InferenceServerClient(served.grpc) as other:
+            assert other.is_model_ready("my model")  # loaded; only the URL differs
+        assert client.is_model_ready("my model")
+        item = httpclient.InferInput("X", [1], "INT32")
+        item.set_data_from_numpy(np.array([1], np.int32))
+        assert client.infer("my model", [item]).as_numpy("INFO") is not None
+    finally:
+        client.close()
+
+
+def test_chunked_body_and_expect_continue(server: Served) -> None:
+    """(guard) A chunked POST with Expect: 100-continue gets 100 then its 200 answer."""
+    body = json.dumps({"inputs": [{"name": "Y", "datatype": "INT32", "shape": [1], "data": [4]}]})
+    with socket.create_connection(_address(server), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/models/square/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        assert sock.recv(1000).startswith(b"HTTP/1.1 100")
+        raw = body.encode()
+        for part in (raw[:10], raw[10:]):
+            sock.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+        sock.sendall(b"0\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status, payload = _status_and_body(reply)
+    assert status == 200
+    assert json.loads(payload)["outputs"][0]["data"] == [16]
+
+
+# ------------------------------------------------------------------------ parameters
+
+
+def _info(result: Any) -> dict[str, Any]:
+    value = result.as_numpy("INFO").reshape(-1)[0]
+    return dict(json.loads(value))
+
+
+def test_custom_parameters_priority_and_timeout_reach_the_model(
+    repo_server: tuple[Served, Path],
+) -> None:
+    """(guard) Custom parameters, priority and timeout (µs) reach the model over HTTP and gRPC."""
+    served, _ = repo_server
+    seen: dict[str, dict[str, Any]] = {}
+    http_client = httpclient.InferenceServerClient(served.http)
+    item = httpclient.InferInput("X", [1], "INT32")
+    item.set_data_from_numpy(np.array([1], np.int32))
+    seen["http"] = _info(
+        http_client.infer(
+            "echo", [item], parameters={"flavour": "mint"}, priority=2, timeout=5_000_000
+        )
+    )
+    http_client.close()
+    grpc_client = grpcclient.InferenceServerClient(served.grpc)
+    gitem = grpcclient.InferInput("X", [1], "INT32")
+    gitem.set_data_from_numpy(np.array([1], np.int32))
+    seen["grpc"] = _info(
+        grpc_client.infer(
+            "echo", [gitem], parameters={"flavour": "mint"}, priority=2, timeout=5_000_000
+        )
+    )
+    grpc_client.close()
+    for protocol, info in seen.items():
+        assert info["parameters"] == {"flavour": "mint"}, (protocol, info)
+        assert info["priority"] == 2, (protocol, info)
+        assert info["timeout"] == pytest.approx(5.0), (protocol, info)
+
+
+def test_stream_request_timeout_reaches_the_model(repo_server: tuple[Served, Path]) -> None:
+    """A gRPC stream request's timeout (µs) reaches the model as on unary ModelInfer (5.0 s)."""
+    served, _ = repo_server
+    client = grpcclient.InferenceServerClient(served.grpc)
+    item = grpcclient.InferInput("X", [1], "INT32")
+    item.set_data_from_numpy(np.array([1], np.int32))
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(
+            "echo", [item], parameters={"flavour": "mint"}, priority=2, timeout=5_000_000
+        )
+        result, error = results.get(timeout=15)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is None, error
+    info = _info(result)
+    assert info["parameters"] == {"flavour": "mint"}, info
+    assert info["priority"] == 2, info
+    assert info["timeout"] == pytest.approx(5.0), info
+
+
+# ------------------------------------------------------------------------ gRPC
+
+
+def test_grpc_stream_many_concurrent_requests(server: Served) -> None:
+    """(guard) 200 requests on one stream (mixed models) each get exactly one answer."""
+    requests = []
+    for i in range(200):
+        request = service_pb2.ModelInferRequest(model_name="square", id=str(i))
+        request.inputs.add(name="Y", datatype="INT32", shape=[1])
+        request.raw_input_contents.append(np.array([i], np.int32).tobytes())
+        requests.append(request)
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        replies = list(stub.ModelStreamInfer(iter(requests), timeout=30))
+    assert len(replies) == 200
+    for reply in replies:
+        assert not reply.error_message
+        i = int(reply.infer_response.id)
+        assert np.frombuffer(reply.infer_response.raw_output_contents[0], np.int32)[0] == i * i
+
+
+# ------------------------------------------------------------------------ model control
+
+
+def test_loading_a_broken_config_names_file_and_field(
+    repo_server: tuple[Served, Path],
+) -> None:
+    """Loading a model whose config.pbtxt is broken is a 400 naming the file and the field;
+    the server keeps serving."""
+    served, repository = repo_server
+    folder = repository / "broken"
+    shutil.copytree(MODELS / "square", folder)
+    (folder / "config.pbtxt").write_text(
+        'name: "broken"\nmax_batch_size: 0\n'
+        'input [ { name: "Y" data_type: TYPE_NOPE dims: [ 1 ] } ]\n'
+        'output [ { name: "Z" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+    )
+    client = httpclient.InferenceServerClient(served.http)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.load_model("broken")
+        assert refused.value.status() == "400"
+        message = refused.value.message()
+        assert "config.pbtxt" in message, message
+        assert "data_type" in message, message
+    finally:
+        client.close()
+        shutil.rmtree(folder)
+    _still_serving(served)
+
+
+def test_unload_waits_for_requests_in_flight(repo_server: tuple[Served, Path]) -> None:
+    """Unloading a model lets its requests in flight finish (as Triton), then unloads."""
+    served, _ = repo_server
+    outcome: list[Any] = []
+
+    def call() -> None:
+        client = httpclient.InferenceServerClient(served.http, network_timeout=30)
+        item = httpclient.InferInput("DELAY", [1], "FP32")
+        item.set_data_from_numpy(np.array([1.0], np.float32))
+        try:
+            outcome.append(client.infer("sleepy", [item]).as_numpy("DELAY_OUT").tolist())
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)
+    client = httpclient.InferenceServerClient(served.http, network_timeout=30)
+    try:
+        client.unload_model("sleepy")
+        thread.join(20)
+        assert outcome == [[1.0]]
+        assert not client.is_model_ready("sleepy")
+    finally:
+        client.load_model("sleepy")
+        client.close()
+
+
+def test_shutdown_is_not_stuck_on_an_idle_stream() -> None:
+    """SIGTERM with an open but idle gRPC stream (nothing in flight) exits promptly, not after
+    the whole --exit-timeout-secs (Triton waits only for inferences in flight)."""
+    served = start_server("--exit-timeout-secs=20")
+    results: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(served.grpc)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        item = grpcclient.InferInput("Y", [1], "INT32")
+        item.set_data_from_numpy(np.array([2], np.int32))
+        client.async_stream_infer("square", [item])
+        _, error = results.get(timeout=15)
+        assert error is None
+        started = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(30) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        client.stop_stream()
+        client.close()
+        served.stop()
