@@ -151,9 +151,24 @@ async def test_fused_numerics_match_the_scheduler_bit_for_bit(
     precision, turn x*3*5 into x*15 and x*x-1 into an FMA). The same bits."""
     outputs = {}
     for fusion in MODES:
-        # Fresh functions per server (JAX caches traces per function object).
-        a = model("a", lambda X, f=first: f(X), [tensor("X", dtype)], [tensor("Y", dtype)])
-        b = model("b", lambda X, f=second: f(X), [tensor("X", dtype)], [tensor("Y", dtype)])
+        # Fresh functions per server (JAX caches traces per function object). Inline by
+        # configuration: on a loaded machine the warm-up's timing could put a step in a
+        # thread, and fusion (which this compares) only fuses inline steps.
+        inline = {"execution": "inline"}
+        a = model(
+            "a",
+            lambda X, f=first: f(X),
+            [tensor("X", dtype)],
+            [tensor("Y", dtype)],
+            parameters=inline,
+        )
+        b = model(
+            "b",
+            lambda X, f=second: f(X),
+            [tensor("X", dtype)],
+            [tensor("Y", dtype)],
+            parameters=inline,
+        )
         pipe = with_fusion(
             ensemble(
                 "pipe",
