@@ -350,9 +350,16 @@ class Fusion:
             if any(tensor not in board for _, tensor in plan.inputs):
                 continue  # a producer left this step's input out: it never runs
             args = {name: board[tensor] for name, tensor in plan.inputs}
-            instance = next((i for i in runner.instances if i.inline and not i.busy), None)
-            if instance is None:
-                return None
+            instances = runner.pool.all
+            if len(instances) == 1:  # the common case, without a generator per step
+                instance = instances[0]
+                if not instance.inline or instance.busy:
+                    return None
+            else:
+                found = next((i for i in instances if i.inline and not i.busy), None)
+                if found is None:
+                    return None
+                instance = found
             checking = trusted is None or instance not in trusted
             if checking and not instance.compiled_for(runner.backend.signature(args)):
                 return None  # the scheduler compiles new shapes, in a worker thread
@@ -360,7 +367,7 @@ class Fusion:
             holder.runs = runner.pool
             try:
                 outputs: Mapping[str, Any] = runner.backend.execute(instance.loaded, args)[0]
-                if not isinstance(outputs, Mapping):
+                if type(outputs) is not dict and not isinstance(outputs, Mapping):
                     return None
                 if checking:
                     outputs = runner.checker.outputs(outputs)
@@ -396,7 +403,10 @@ class Fusion:
 
     def idle(self) -> bool:
         """Whether every composing model has an idle inline instance and nothing queued."""
-        return all(runner.idle() for runner in self.runners)
+        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
+            if not runner.idle():
+                return False
+        return True
 
     async def gather(
         self,

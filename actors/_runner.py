@@ -125,7 +125,10 @@ class ModelRunner:
         """Nothing queued, and some instance can run inline now."""
         if self.queued or (self.batcher is not None and len(self.batcher.queue)):
             return False
-        return any(i.inline and not i.busy for i in self.instances)
+        for instance in self.pool.all:  # noqa: SIM110 (no generator: it runs per request)
+            if instance.inline and not instance.busy:
+                return True
+        return False
 
     # -- lifetime --------------------------------------------------------------------------
 

