@@ -203,11 +203,7 @@ class Instances:
             raw, new_state = self.backend.execute(instance.loaded, args)
         except Exception as exc:
             raise self.error(exc) from exc
-        if work is not None:
-            work.new_state = new_state
-        t2 = time.perf_counter_ns()
-        outputs = self.checked(raw)
-        return outputs, (t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+        return self._finish(raw, new_state, work, t0, t1)
 
     def run_inline(self, instance: Instance, request: InferRequest, work: Work | None) -> Any:
         """`run_sync` on the event loop, the watchdog told which model holds it meanwhile."""
@@ -235,6 +231,10 @@ class Instances:
             raw, new_state = await self.backend.execute_async(instance.loaded, args)
         except Exception as exc:
             raise self.error(exc) from exc
+        return self._finish(raw, new_state, work, t0, t1)
+
+    def _finish(self, raw: Any, new_state: Any, work: Work | None, t0: int, t1: int) -> Any:
+        """Keep the new state, check the outputs: the outputs and the `Timings`."""
         if work is not None:
             work.new_state = new_state
         t2 = time.perf_counter_ns()
