@@ -173,6 +173,10 @@ class CacheActor:
     _probing: bool = False
     """A lookup is testing whether the backend is back."""
     _retry_at: float = 0.0
+    _epoch: int = 0
+    """Outages begun and ended so far: an operation that began before the latest change and
+    ends after it says nothing about the backend now (a slow batch of another worker), so
+    it neither ends nor begins an outage."""
     _flights: dict[bytes, Flight] = attrs.field(factory=dict)
     _pending: dict[bytes, CacheEntry] = attrs.field(factory=dict)
     """Entries queued for a batched backend: hits until written (read your own writes)."""
@@ -328,14 +332,19 @@ class CacheActor:
         self._probing = True
         return True
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, epoch: int | None = None) -> None:
+        """An operation failed; ``epoch``: `_epoch` when it began (None: it ran
+        synchronously, just now)."""
         self.errors += 1
+        if epoch is not None and epoch != self._epoch:
+            return  # stale: it began before the outage began or ended
         self._probing = False
         self._retry_at = trio.current_time() + self.cache.retry_interval
         if not self._available:
             _log.debug("%s cache still unavailable: %s", self.name, exc)
             return
         self._available = False
+        self._epoch += 1
         _log.error(
             "%s cache unavailable, serving requests uncached and retrying every %.1f s: %s",
             self.name,
@@ -344,10 +353,14 @@ class CacheActor:
             exc_info=not isinstance(exc, CacheUnavailableError),
         )
 
-    def _recovered(self) -> None:
+    def _recovered(self, epoch: int | None = None) -> None:
+        """An operation succeeded; ``epoch`` as for `_failed`."""
+        if epoch is not None and epoch != self._epoch:
+            return  # stale: it began before the outage began or ended
         self._probing = False
         if not self._available:
             self._available = True
+            self._epoch += 1
             _log.warning("%s cache is available again; caching resumed", self.name)
 
     def _refused(self, exc: CacheWriteRefusedError, count: int) -> None:
@@ -421,6 +434,7 @@ class CacheActor:
         inserts = [op.entry for op in batch if isinstance(op, _Insert)]
         if lookups and (self._available or self._probing):
             self.batches += 1
+            epoch = self._epoch
             try:
                 found = await self.cache.lookup([op.key for op in lookups])
                 if len(found) != len(lookups):
@@ -429,9 +443,9 @@ class CacheActor:
                         f"for {len(lookups)} keys"
                     )
             except Exception as exc:
-                self._failed(exc)
+                self._failed(exc, epoch)
             else:
-                self._recovered()
+                self._recovered(epoch)
                 for op, entry in zip(lookups, found, strict=True):
                     op.entry = entry
         for op in lookups:
@@ -451,15 +465,16 @@ class CacheActor:
             return
         start = time.perf_counter_ns()
         self.batches += 1
+        epoch = self._epoch
         try:
             await self.cache.insert(inserts)
         except CacheWriteRefusedError as exc:
             self._refused(exc, len(inserts))
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, epoch)
             self.insert_failures += len(inserts)
         else:
-            self._recovered()
+            self._recovered(epoch)
             self._accepted()
             self.insertions += len(inserts)
         self.insert_ns += time.perf_counter_ns() - start
