@@ -30,9 +30,9 @@ class _Scripted(ResponseCache):
     async def lookup(self, keys: Sequence[CacheKey]) -> Sequence[CacheEntry | None]:
         what = self.script.pop(0) if self.script else "success"
         self.calls.append(what)
-        if what == "slow success":
+        if what.startswith("slow"):
             await self.slow_release.wait()
-        elif what == "failure":
+        if what.endswith("failure"):
             raise CacheUnavailableError("connection refused")
         return [None] * len(keys)
 
@@ -78,4 +78,34 @@ async def test_a_stale_success_neither_ends_an_outage_nor_logs_twice(
     again = [r.getMessage() for r in caplog.records if "available again" in r.getMessage()]
     assert len(errors) == 1, errors
     assert "scripted cache unavailable" in errors[0]
+    assert len(again) == 1, again
+
+
+async def test_a_stale_failure_does_not_begin_a_second_outage(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A lookup that hung from before an outage and fails after the backend came back (its
+    connection was the one that broke) does not mark the backend down again."""
+    caplog.set_level(logging.WARNING, "orchestrion.caches")
+    cache = _Scripted()
+    cache.script = ["slow failure", "failure", "success", "success"]
+    async with open_cache_actor(cache, "scripted") as actor:
+
+        async def miss(tag: int) -> None:
+            flight = await actor.begin(_key(tag))
+            assert flight.entry is None
+            flight.release()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(miss, 1)  # hangs, from before the outage
+            await trio.testing.wait_all_tasks_blocked()
+            await miss(2)  # fails: the outage begins
+            await trio.sleep(cache.retry_interval)
+            await miss(3)  # the probe succeeds: the outage ends
+            cache.slow_release.set()  # the old lookup fails now, after the recovery
+        await miss(4)  # not down: looked up
+        assert cache.calls == ["slow failure", "failure", "success", "success"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    again = [r.getMessage() for r in caplog.records if "available again" in r.getMessage()]
+    assert len(errors) == 1, errors
     assert len(again) == 1, again
