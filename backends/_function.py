@@ -11,6 +11,7 @@ Instances follow ``instance_group``: one per device (a JAX device; KIND_GPU plac
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import sys
 from collections.abc import Callable, Hashable, Mapping
@@ -100,8 +101,6 @@ def placement_problems(model: Model, in_config: str) -> list[str]:
 
 def takes_request(model: Model) -> bool:
     """Whether ``execute`` asks for the request's metadata (a ``request`` parameter)."""
-    import inspect
-
     if model.execute is None:
         return False
     try:
