@@ -271,9 +271,14 @@ async def test_observer_sees_step_finished_for_a_cancelled_step(
 
 
 def _pressure(gate: trio.Event) -> list[orchestrion.Model]:
-    """fast (inline) -> slow (gated), one request in flight per step."""
+    """fast (inline) -> slow (gated), one request in flight per step.
+
+    fast is inline by configuration: on a loaded machine its warm-up timing could put it in a
+    worker thread, where the autojump clock of the timeout tests jumps past their deadlines.
+    """
+    inline = {"execution": "inline"}
     return [
-        model("fast", lambda X: {"Y": X}, [tensor("X")], [tensor("Y")]),
+        model("fast", lambda X: {"Y": X}, [tensor("X")], [tensor("Y")], parameters=inline),
         gated("slow", gate),
         chain("pressure", "fast", "slow", max_inflight_requests=1),
     ]
