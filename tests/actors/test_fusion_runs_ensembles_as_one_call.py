@@ -15,6 +15,7 @@ import trio
 
 import orchestrion
 from orchestrion import InferenceError, InferenceTimeoutError
+from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import DynamicBatching
 from orchestrion.testing import (
     StepRecorder,
@@ -159,8 +160,13 @@ async def test_variable_shapes_compile_off_the_loop_under_concurrency() -> None:
     are all answered right: a new shape takes the scheduler's path, which compiles it in a
     worker thread, and runs fused afterwards."""
     async with orchestrion.open_server(models=_models(dims=(-1,))) as server:
-        for _ in range(10):
+        # A busy machine may make every call of a window slow (a thread holding the GIL):
+        # keep calling until the steps have come inline and a request ran fused, at most
+        # 25 windows.
+        for _ in range(25 * SWITCH_WINDOW):
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+            if await settled(server):
+                break
         assert await settled(server)
         answers: dict[int, Any] = {}
 
