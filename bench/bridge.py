@@ -3,7 +3,7 @@
     .venv/bin/python bench/bridge.py [--calls 20000]
 
 An asyncio loop in a worker thread (as in ``orchestrion serve``) calls a trio async function
-that returns at once, through `orchestrion.frontends._grpc_bridge.TrioBridge`, one call at a
+that returns at once, through `orchestrion.backends._asyncio_bridge.TrioBridge`, one call at a
 time and 16 at once; beside it, the same loop awaiting a plain asyncio coroutine (no crossing), and
 ``trio.from_thread.run`` from a plain thread (a blocking bridge). Per-call microseconds; the
 interesting number is the bridge minus the asyncio baseline.
@@ -21,7 +21,7 @@ from typing import Any
 import trio
 from _common import table
 
-from orchestrion.frontends._grpc_bridge import TrioBridge
+from orchestrion.backends._asyncio_bridge import TrioBridge
 
 
 async def _noop_trio(value: int) -> int:

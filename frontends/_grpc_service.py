@@ -2,8 +2,8 @@
 
 How this works: grpcio's asyncio server (its C core does HTTP/2) runs on an asyncio event loop
 in one worker thread that a trio task owns (`_LoopThread`); each RPC crosses to trio through
-`orchestrion.frontends._grpc_bridge.TrioBridge`, and a stream (ModelStreamInfer) is one trio task
-of `orchestrion.frontends._grpc_streams`. Messages that protobuf cannot decode become that
+`orchestrion.backends._asyncio_bridge.TrioBridge`, and a stream (ModelStreamInfer) is one trio
+task of `orchestrion.frontends._grpc_streams`. Messages that protobuf cannot decode become that
 request's INVALID_ARGUMENT, not grpcio's UNKNOWN for the whole call.
 
 The message classes come from tritonclient's generated modules (never re-generated here).
@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._server import AsyncServer
+from ..backends._asyncio_bridge import TrioBridge, call_sync
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -46,7 +47,6 @@ from ..protocols._kserve_grpc import (
 from ..protocols._kserve_requests import parse_version
 from ..protocols._kserve_status import error_message, grpc_status
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
-from ._grpc_bridge import TrioBridge, call_sync
 from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
 from ._offload import off_loop
 

@@ -17,7 +17,15 @@ ALLOWED = {
     "actors": {"backends", "caches", "protocols", "telemetry"},
     "_server": {"actors", "caches", "protocols", "telemetry"},
     "_blocking": {"_server", "actors", "protocols"},
-    "frontends": {"_server", "_blocking", "actors", "protocols", "telemetry", "__init__"},
+    "frontends": {
+        "_server",
+        "_blocking",
+        "actors",
+        "backends",
+        "protocols",
+        "telemetry",
+        "__init__",
+    },
     "__main__": {"frontends"},
 }
 PACKAGE_FOLDERS = ("actors", "backends", "caches", "frontends", "protocols", "telemetry")
