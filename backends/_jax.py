@@ -6,15 +6,19 @@ or every size a batching model pads to), then timed: the median of five calls te
 runner whether the model is short enough to run inline on the event loop. Shapes that are
 not declared (``-1`` dimensions, optional inputs, other batch sizes) compile on first use,
 which the runner moves to a worker thread. Outputs come back as numpy arrays (which waits for
-JAX's asynchronous dispatch). 64-bit types need ``JAX_ENABLE_X64``: without it JAX would
-silently compute in 32 bits, so such a model is refused at load.
+JAX's asynchronous dispatch). A model with a 64-bit input or output (INT64, UINT64, FP64)
+is traced, compiled and run with JAX's 64-bit types switched on for its own calls only
+(``jax.enable_x64``, which is scoped to the calling thread), so its token ids stay exact
+while every other model in the process keeps JAX's 32-bit default. Such a model is not fused
+into an ensemble's one traced function (that function is traced once, for all its steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -37,9 +41,15 @@ if TYPE_CHECKING:
 _WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
 
 
-def x64_enabled() -> bool:
-    """Whether JAX computes with 64-bit types (``JAX_ENABLE_X64``)."""
-    return bool(jax.config.read("jax_enable_x64"))  # type: ignore[no-untyped-call]
+def wide_tensors(config: ModelConfig) -> list[str]:
+    """The model's 64-bit inputs and outputs (computed with JAX's 64-bit types on)."""
+    return [t.name for t in (*config.input, *config.output) if t.data_type in _WIDE]
+
+
+@contextlib.contextmanager
+def _x64() -> Iterator[None]:
+    with jax.enable_x64(True):
+        yield
 
 
 def padded_sizes(config: ModelConfig) -> tuple[int, ...]:
@@ -65,6 +75,8 @@ class JaxBackend(FunctionBackend):
         super().__init__(model, jax.jit(model.execute))
         config = model.config
         batching = config.dynamic_batching is not None and config.max_batch_size > 0
+        self._wide = bool(wide_tensors(config))
+        """64-bit tensors: every call (trace, compile, run, placement) with x64 on."""
         self.capabilities = Capabilities(
             is_async=False,
             streaming=False,
@@ -73,7 +85,7 @@ class JaxBackend(FunctionBackend):
             thread_safe=True,
             compiles=True,
             takes_request=False,
-            traceable=all(t.reshape is None for t in config.output),
+            traceable=all(t.reshape is None for t in config.output) and not self._wide,
         )
         self.padded_sizes = padded_sizes(config) if batching else ()
         self._names = tuple(t.name for t in config.input)
@@ -83,7 +95,17 @@ class JaxBackend(FunctionBackend):
         self._plain = all(t.reshape is None for t in config.input)
 
     def _place(self, tree: Any, device: Any) -> Any:
+        if self._wide:
+            with _x64():
+                return jax.device_put(tree, device)
         return jax.device_put(tree, device)
+
+    def call(self, instance: LoadedInstance, arguments: Mapping[str, Any]) -> Any:
+        """Call the compiled ``execute`` once (compiling it first for new shapes)."""
+        if self._wide:
+            with _x64():
+                return super().call(instance, arguments)
+        return super().call(instance, arguments)
 
     def signature(self, inputs: Tensors) -> Hashable | None:
         """The input shapes as jit sees them (one compilation each)."""
@@ -104,6 +126,14 @@ class JaxBackend(FunctionBackend):
         self, instance: LoadedInstance, arguments: Mapping[str, Any]
     ) -> tuple[Mapping[str, Any], Any]:
         """One compiled call; its outputs as numpy arrays (the hot path: written out)."""
+        if self._wide:
+            with _x64():
+                return self._execute(instance, arguments)
+        return self._execute(instance, arguments)
+
+    def _execute(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], Any]:
         fn = self._fn
         raw = fn(instance.params, **arguments) if self._with_params else fn(**arguments)
         if self._stateful:
@@ -129,7 +159,8 @@ class JaxBackend(FunctionBackend):
 
     def load(self) -> list[LoadedInstance]:
         """Initialise, place, compile and time every instance."""
-        instances = super().load()
+        with _x64() if self._wide else contextlib.nullcontext():
+            instances = super().load()
         for instance in instances:
             self._warm_up(instance)
         return instances
@@ -196,12 +227,5 @@ def jax_problems(model: Model, where: str, in_config: str) -> list[str]:
         errors.append(
             f"{where}: only plain-Python models (JIT = False) can take the request's metadata "
             "as a 'request' parameter"
-        )
-    wide = [t.name for t in (*config.input, *config.output) if t.data_type in _WIDE]
-    if wide and not x64_enabled():
-        errors.append(
-            f"{where}: tensors {', '.join(wide)} are 64-bit, but JAX runs with 64-bit types "
-            "disabled and would silently compute in 32 bits; set JAX_ENABLE_X64=1, declare "
-            "32-bit types, or set JIT = False"
         )
     return errors
