@@ -28,6 +28,7 @@ from .actors._watchdog import watch_event_loop
 from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
     CacheStatistics,
+    CustomMetricFamily,
     InferenceTimeoutError,
     InferRequest,
     InferResponse,
@@ -105,6 +106,9 @@ class _MetricsSource:
 
     def all_step_statistics(self) -> list[StepStatistics]:
         return self.registry.all_step_statistics()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        return self.registry.custom_metrics()
 
 
 @attrs.define(eq=False)

@@ -6,7 +6,9 @@ How this works: with ``dynamic_batching``, the model's channel is read by one ba
 waits at most ``max_queue_delay_microseconds`` (counted from the oldest request's arrival)
 for the batch to fill, takes it out of the queue (priorities first, expired requests
 answered), and hands it to the next free instance (`serve_instance`), which runs it as one
-execution of the joined inputs, padded to a compiled size, and gives each request its rows.
+execution of the joined inputs, padded to a compiled size, and gives each request its rows
+(a backend that takes lists of requests, `Capabilities.request_lists`, gets the batch's
+requests as they are and answers each).
 A batch forms only when an instance is free for it, so the queue (and its priorities)
 decides what runs next. With one inline instance that is free, the batcher runs the batch
 itself, saving a scheduling pass. ``preserve_ordering`` answers batches in the order they
@@ -219,6 +221,12 @@ class Batcher:
             works.append(work)
         if not works:
             self._answer(batch.sequence, [])
+            return
+        if self.runner.capabilities.request_lists:  # the model answers each request itself
+            try:
+                await self.runner.run_listed(instance, works)
+            finally:
+                self._answer(batch.sequence, works)
             return
         rows = [rows_of(w.request) for w in works]
         total = sum(rows)

@@ -56,6 +56,10 @@ class Model:
             ``execute`` then takes a ``state`` parameter and returns ``(outputs, new_state)``.
         jit: compile ``execute`` with ``jax.jit`` (the default). False runs it as plain
             Python, for work JAX cannot trace (decoding bytes, strings, I/O).
+        triton_model: a Triton python-backend model class (``TritonPythonModel``: its
+            ``initialize(args)``, ``execute(requests)``, ``finalize()``), given instead of
+            ``execute``; a repository's ``model.py`` that defines ``TritonPythonModel`` runs
+            this way (see docs/guide.md, "Bringing a Triton repository").
         version: the version number this definition is served as.
         source: where the code came from (its ``model.py``), for error messages.
         config_source: where the config came from, for error messages.
@@ -73,6 +77,7 @@ class Model:
     initialize: Callable[[ModelConfig], Any] | None = None
     initial_state: Callable[[ModelConfig], Any] | None = None
     jit: bool = True
+    triton_model: type | None = None
     version: int = 1
     source: str = "<python>"
     config_source: str = "<python>"
@@ -112,6 +117,10 @@ def check_model(model: Model) -> list[str]:
                 f"{', '.join(m.value for m in FusionMode)}, got '{fusion}'"
             ]
         return []
+    if model.triton_model is not None:
+        if model.execute is not None or model.initialize is not None:
+            return [f"{where}: a Triton python model (triton_model) has no execute or initialize"]
+        return model_problems(model, where, in_config)
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
     errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)

@@ -173,7 +173,10 @@ class Instances:
 
     def load(self) -> None:
         """Load every instance through the backend (runs in a worker thread)."""
-        mode = execution_mode(self.backend.config)
+        config = self.backend.config
+        mode = execution_mode(config)
+        if "execution" not in config.parameters and not self.backend.capabilities.may_run_inline:
+            mode = ExecutionMode.THREAD
         self.all = [
             Instance(loaded, starts_inline(mode, loaded), mode) for loaded in self.backend.load()
         ]
@@ -232,6 +235,47 @@ class Instances:
         except Exception as exc:
             raise self.error(exc) from exc
         return self._finish(raw, new_state, work, t0, t1)
+
+    async def run_listed(
+        self, instance: Instance, requests: list[InferRequest]
+    ) -> tuple[list[Tensors | InferenceError], Timings]:
+        """One execution of a list of requests (`Capabilities.request_lists`): each
+        request's checked outputs or its own error, and the `Timings`.
+
+        Raises:
+            InferenceError: the execution as a whole failed (the model named).
+        """
+        t0 = time.perf_counter_ns()
+        backend = self.backend
+        try:
+            if backend.capabilities.is_async:
+                raw = await backend.execute_requests_async(instance.loaded, requests)
+            elif instance.inline:
+                holder = self.holder
+                outer, holder.runs = holder.runs, self
+                try:
+                    raw = backend.execute_requests(instance.loaded, requests)
+                finally:
+                    holder.runs = outer
+            else:
+                raw = await trio.to_thread.run_sync(
+                    backend.execute_requests, instance.loaded, requests
+                )
+        except Exception as exc:
+            raise self.error(exc) from exc
+        t1 = time.perf_counter_ns()
+        outcomes: list[Tensors | InferenceError] = []
+        for item in raw:
+            if isinstance(item, InferenceError):
+                outcomes.append(item)
+            elif isinstance(item, Exception):
+                outcomes.append(self.error(item))
+            else:
+                try:
+                    outcomes.append(self.checked(item))
+                except InferenceError as exc:
+                    outcomes.append(exc)
+        return outcomes, (0, t1 - t0, time.perf_counter_ns() - t1)
 
     def _finish(self, raw: Any, new_state: Any, work: Work | None, t0: int, t1: int) -> Any:
         """Keep the new state, check the outputs: the outputs and the `Timings`."""

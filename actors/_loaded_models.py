@@ -20,6 +20,7 @@ import attrs
 import xxhash
 
 from ..protocols import (
+    CustomMetricFamily,
     InferRequest,
     InferResponse,
     InvalidRequestError,
@@ -35,6 +36,7 @@ from ..protocols import (
     is_decoupled,
 )
 from ._ensemble import EnsembleRunner
+from ._runner import ModelRunner
 from ._stats import StatsRecorder
 
 
@@ -167,6 +169,16 @@ class LoadedModels:
         if not isinstance(runner, EnsembleRunner):
             raise InvalidRequestError(f"model '{ensemble}' is not an ensemble")
         return runner.step_statistics()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """The metric families every loaded model version's code made."""
+        return [
+            family
+            for name in self.model_names()
+            for runner in self._sorted(name)
+            if isinstance(runner, ModelRunner)
+            for family in runner.backend.custom_metrics()
+        ]
 
     def all_step_statistics(self) -> list[StepStatistics]:
         """Live per-step state of the latest version of every loaded ensemble."""

@@ -27,6 +27,7 @@ import trio
 from ..caches import CacheActor
 from ..protocols import (
     ConfigError,
+    CustomMetricFamily,
     InferRequest,
     InferResponse,
     ModelLoadError,
@@ -142,6 +143,10 @@ class ModelRegistry:
     def all_step_statistics(self) -> list[StepStatistics]:
         """Live per-step state of the latest version of every loaded ensemble."""
         return self._models.all_step_statistics()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """The metric families the loaded models' code made (python-backend models)."""
+        return self._models.custom_metrics()
 
     def decoupled(self, model_name: str) -> bool:
         """Whether ``model_name`` streams: a decoupled model, or an ensemble with one."""
@@ -277,7 +282,7 @@ class ModelRegistry:
         try:
             async with trio.open_nursery() as loader:
                 for model in plain:
-                    runner = ModelRunner(model, self.observer)
+                    runner = ModelRunner(model, self.observer, calls=self._router)
                     runner.tracing = self.tracing
                     loader.start_soon(start, runner, runner.serve)
         except BaseExceptionGroup as group:

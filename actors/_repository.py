@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 import xxhash
 
-from ..backends import import_code_file
+from ..backends import auto_complete, import_code_file
 from ..protocols import (
     ConfigError,
     ModelConfig,
@@ -69,17 +69,33 @@ def select_versions(available: Sequence[int], policy: VersionPolicy | None) -> t
     return tuple(ordered[-(policy.latest or 1) :])
 
 
+def _without_config(path: Path) -> ModelConfig | None:
+    """The config of a model folder that has no ``config.pbtxt``: a python-backend model
+    (a ``model.py`` in a version folder) gets the empty config that its
+    ``auto_complete_config`` completes at load, as Triton does; anything else gets None."""
+    if any((path / str(v) / DEFAULT_MODEL_FILE).is_file() for v in _version_folders(path)):
+        return ModelConfig(name=path.name, backend="python")
+    return None
+
+
 def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
     """Read one model folder: its config and its version folders."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
-        return None, [f"{config_path}: missing (every model folder needs a {CONFIG_FILE})"]
-    try:
-        config = parse_model_config(config_path.read_text(), source=str(config_path))
-    except ConfigError as exc:
-        return None, list(exc.errors)
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, [f"{config_path}: cannot be read: {exc}"]
+        found = _without_config(path)
+        if found is None:
+            return None, [
+                f"{config_path}: missing (every model folder needs a {CONFIG_FILE}, except "
+                "a Triton python model whose model.py completes its config)"
+            ]
+        config = found
+    else:
+        try:
+            config = parse_model_config(config_path.read_text(), source=str(config_path))
+        except ConfigError as exc:
+            return None, list(exc.errors)
+        except (OSError, UnicodeDecodeError) as exc:
+            return None, [f"{config_path}: cannot be read: {exc}"]
     errors = []
     if not config.name:
         config = attrs.evolve(config, name=path.name)
@@ -187,6 +203,27 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         return Model(config=config, version=version, source=config_source, revision=fingerprint)
     path = entry.model_file(version)
     module = import_code_file(path, f"{entry.name}_v{version}")
+    triton_model = getattr(module, "TritonPythonModel", None)
+    if isinstance(triton_model, type):
+        config = auto_complete(triton_model, config, config_source)
+        model = Model(
+            config=config,
+            triton_model=triton_model,
+            jit=False,
+            version=version,
+            source=str(path),
+            config_source=config_source,
+            revision=fingerprint,
+        )
+        errors = check_model(model)
+        if errors:
+            raise ConfigError(errors)
+        return model
+    if not (entry.path / CONFIG_FILE).is_file():
+        raise ConfigError(
+            f"{entry.path / CONFIG_FILE}: missing (only a model.py that defines "
+            "TritonPythonModel can do without one)"
+        )
     model = Model(
         config=config,
         execute=getattr(module, "execute", None),

@@ -34,6 +34,7 @@ from ..protocols import (
     ModelConfig,
     ModelNotFoundError,
     Observer,
+    OrchestrionError,
     cache_key,
     shared_outputs,
     stored_outputs_problem,
@@ -87,6 +88,14 @@ class RequestRouter:
     def decoupled(self, model_name: str) -> bool:
         """Whether ``model_name`` streams: a decoupled model, or an ensemble with one."""
         return self.models.decoupled(model_name)
+
+    def is_ready(self, name: str, version: int = -1) -> bool:
+        """Whether ``name`` (at ``version``; -1 or 0: any) is loaded and serving."""
+        try:
+            self.models.resolve(name, version)
+        except OrchestrionError:  # not loaded, or the server is closing
+            return False
+        return True
 
     def _admit(
         self, request: InferRequest, from_ensemble: bool = False

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 import attrs
 import trio
 
-from ..backends import Backend, Capabilities, backend_for
+from ..backends import Backend, Capabilities, ServerCalls, backend_for
 from ..protocols import (
     InferenceError,
     InferRequest,
@@ -56,6 +56,8 @@ class ModelRunner:
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     tracing: RequestTracing | None = None
     """Records a ``compute`` span per execution under the request's span."""
+    calls: ServerCalls | None = None
+    """What the model's code may call on the server (BLS); None: nothing."""
     stats: StatsRecorder = attrs.field(init=False)
     backend: Backend = attrs.field(init=False)
     """How the model's code runs (`orchestrion.backends`)."""
@@ -81,7 +83,7 @@ class ModelRunner:
     def __attrs_post_init__(self) -> None:
         config = self.model.config
         self.stats = StatsRecorder(self.model.name, self.model.version)
-        self.backend = backend_for(self.model)
+        self.backend = backend_for(self.model, self.calls)
         self.checker = TensorChecker(config)
         self.pool = Instances(self.backend, self.model.name, self.model.version, self.checker)
         self.output_names = frozenset(t.name for t in config.output)
@@ -140,20 +142,30 @@ class ModelRunner:
         await trio.to_thread.run_sync(self.pool.load)
         self.streams.size(len(self.instances))
         try:
-            async with trio.open_nursery() as nursery:
-                if self.batcher is not None:
-                    await nursery.start(self.batcher.serve, self._receive, self.instances)
-                else:
-                    async with self._receive:
-                        for instance in self.instances:
-                            receive = self._receive.clone()
-                            await nursery.start(self._serve_instance, instance, receive)
-                if self.sequences is not None:
-                    self._sweeper = trio.CancelScope()
-                    nursery.start_soon(self._run_sweeper, self.sequences, self._sweeper)
-                task_status.started()
+            # The backend's own tasks (`Backend.run`) outlive the instances' last execution.
+            async with trio.open_nursery() as backend_nursery:
+                await backend_nursery.start(self.backend.run)
+                try:
+                    await self._serve_instances(task_status)
+                finally:
+                    backend_nursery.cancel_scope.cancel()
         finally:
             self.backend.close()
+
+    async def _serve_instances(self, task_status: trio.TaskStatus[None]) -> None:
+        """Run the instances (or the batcher) and the sequences' sweeper until closed."""
+        async with trio.open_nursery() as nursery:
+            if self.batcher is not None:
+                await nursery.start(self.batcher.serve, self._receive, self.instances)
+            else:
+                async with self._receive:
+                    for instance in self.instances:
+                        receive = self._receive.clone()
+                        await nursery.start(self._serve_instance, instance, receive)
+            if self.sequences is not None:
+                self._sweeper = trio.CancelScope()
+                nursery.start_soon(self._run_sweeper, self.sequences, self._sweeper)
+            task_status.started()
 
     @staticmethod
     async def _run_sweeper(sequences: Sequences, scope: trio.CancelScope) -> None:
@@ -285,6 +297,35 @@ class ModelRunner:
         # A compilation says nothing about how long executions take.
         self.record(instance, queue_ns, timings, elapsed, batch, not compiling, requests, started)
         work.done.set()
+
+    async def run_listed(self, instance: Instance, works: list[Work]) -> None:
+        """Run a batch's requests as one execution of a backend that answers each request
+        itself (`Capabilities.request_lists`): each work gets its outputs or its own error."""
+        instance.busy = True
+        started = time.perf_counter_ns()
+        requests = [w.request for w in works]
+        timings: Timings | None = None
+        outcomes: list[Tensors | InferenceError]
+        try:
+            outcomes, timings = await self.pool.run_listed(instance, requests)
+        except InferenceError as exc:
+            outcomes = [exc] * len(works)
+        except BaseException:
+            for work in works:
+                work.error = ServerClosedError("the server is shutting down")
+            raise
+        finally:
+            instance.busy = False
+        for work, outcome in zip(works, outcomes, strict=True):
+            if isinstance(outcome, InferenceError):
+                work.error = outcome
+            else:
+                work.outputs = outcome
+        max_batch = self.model.config.max_batch_size
+        batch = sum(batch_size(max_batch, r.inputs) for r in requests)
+        queue_ns = sum(started - w.enqueued_ns for w in works)
+        elapsed = time.perf_counter_ns() - started
+        self.record(instance, queue_ns, timings, elapsed, batch, False, requests, started)
 
     # -- fast paths ------------------------------------------------------------------------
 

@@ -6,12 +6,14 @@ suspended while the caller holds the previous response, so nothing is buffered. 
 instances are *compute slots* here: a generator holds one only while it computes its next
 response (a synchronous step runs in a worker thread), not while its caller is busy, so
 streams that feed each other (a decoupled model nested in another's iterations) cannot
-deadlock on instances. Streams take the instances in turn.
+deadlock on instances. Streams take the instances in turn. A backend whose code pushes its
+responses (`Capabilities.pushes`: Triton's response senders) runs each request's execution
+on an instance itself, so its streams hold no slot while they wait.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
@@ -60,8 +62,9 @@ class Streams:
         started = time.perf_counter_ns()
         error: BaseException | None = None
         generator: Any = None
+        slots: Any = contextlib.nullcontext() if runner.capabilities.pushes else self.slots
         try:
-            async with self.slots:
+            async with slots:
                 args = backend.arguments(request, None, instance.loaded)
                 generator = backend.open_stream(instance.loaded, args)
             try:
@@ -69,13 +72,13 @@ class Streams:
                 while True:
                     if runner.closing:
                         raise self._unloading()
-                    async with self.slots:
+                    async with slots:
                         raw = await step()
                     if raw is _END:
                         return
                     yield pool.checked(raw)
             finally:
-                if inspect.isasyncgen(generator):
+                if hasattr(generator, "aclose"):
                     await generator.aclose()
                 else:
                     generator.close()
@@ -94,7 +97,7 @@ class Streams:
 
 def _stepper(generator: Any) -> Callable[[], Any]:
     """An awaitable step of ``generator``: the next response, or `_END`."""
-    if inspect.isasyncgen(generator):
+    if hasattr(generator, "__anext__"):
         return lambda: anext(generator, _END)
 
     async def step() -> Any:

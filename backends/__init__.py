@@ -4,13 +4,17 @@ A backend loads a model's instances (initialise, place on a device, compile, war
 one execution (a request, or a batch of them joined on the batch dimension), opens a stream
 for a decoupled model, and says what it can do (`Capabilities`); the runner decides from
 those alone how to run it (inline or in a worker thread, batched, as a stream, with a
-sequence's state). `backend_for` picks the backend of a `Model`. Two kinds exist: JAX
-(``jax.jit``, device placement) and plain Python (sync, async, generators).
+sequence's state). `backend_for` picks the backend of a `Model`. Three kinds exist: JAX
+(``jax.jit``, device placement), plain Python (sync, async, generators) and Triton's python
+backend (``TritonPythonModel``, with ``triton_python_backend_utils``, BLS and response
+senders).
 """
 
 from ._base import Backend as Backend
 from ._base import Capabilities as Capabilities
 from ._base import LoadedInstance as LoadedInstance
+from ._base import ServerCalls as ServerCalls
 from ._base import backend_for as backend_for
 from ._base import model_problems as model_problems
 from ._function import import_code_file as import_code_file
+from ._triton_config import auto_complete as auto_complete

@@ -8,18 +8,21 @@ synchronously (inline on the event loop or in a worker thread, as the runner dec
 `execute_async` one that awaits, `open_stream` a decoupled model's generator. What a backend
 can do is declared in `Capabilities`, which is all the runner, the batcher, fusion and the
 registry read. A new kind of model (Triton's python backend, ONNX Runtime) is a new
-`Backend` here, chosen in `backend_for`.
+`Backend` here, chosen in `backend_for`. A backend whose model code calls other models (BLS)
+gets the server's `ServerCalls`; one that keeps something running while it is loaded (an
+asyncio loop, the tasks of streams) runs it in `Backend.run`, in the runner's nursery.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+import trio
 
-from ..protocols import InferRequest, ModelConfig, Tensors
+from ..protocols import CustomMetricFamily, InferRequest, InferResponse, ModelConfig, Tensors
 
 if TYPE_CHECKING:
     from ..actors._definition import Model
@@ -46,6 +49,35 @@ class Capabilities:
     """``execute`` sees the request's metadata (a ``request`` argument)."""
     traceable: bool
     """``execute`` can be traced into an ensemble's one fused ``jax.jit`` function."""
+    request_lists: bool = False
+    """A batch is a list of requests that the model answers one by one (Triton's python
+    backend: ``execute(requests)``), not their inputs joined on the batch dimension: the
+    batcher calls `Backend.execute_requests`, and one request may fail alone."""
+    pushes: bool = False
+    """Decoupled, and its code pushes responses (Triton's response senders) instead of
+    yielding them one step at a time: the stream holds no compute slot while it waits, and
+    the backend runs each request's execution on an instance itself."""
+    may_run_inline: bool = True
+    """Without an ``execution`` parameter, executions may be measured and run inline when
+    short; False: they run in worker threads (code that may wait on the server, such as a
+    Triton model's BLS calls, must never run on the event loop) unless the config's
+    ``execution`` says otherwise."""
+
+
+class ServerCalls(Protocol):
+    """What a model's code may call on the server it runs in (Triton's BLS)."""
+
+    async def infer(self, request: InferRequest, *, strict_outputs: bool = False) -> InferResponse:
+        """Run ``request`` on a loaded model or ensemble, as a client's request would run."""
+        ...
+
+    def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """A decoupled model's responses to ``request``, as they come."""
+        ...
+
+    def is_ready(self, name: str, version: int = -1) -> bool:
+        """Whether ``name`` (at ``version``; -1: any) is loaded and serving."""
+        ...
 
 
 @attrs.define(eq=False)
@@ -121,9 +153,32 @@ class Backend(abc.ABC):
         done."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
+    def execute_requests(
+        self, instance: LoadedInstance, requests: list[InferRequest]
+    ) -> list[Mapping[str, Any] | Exception]:
+        """One execution of a batch of requests (`Capabilities.request_lists`): each
+        request's outputs, or the error that answers it alone."""
+        raise NotImplementedError(f"{type(self).__name__} does not take lists of requests")
+
+    async def execute_requests_async(
+        self, instance: LoadedInstance, requests: list[InferRequest]
+    ) -> list[Mapping[str, Any] | Exception]:
+        """`execute_requests` for code that awaits (`Capabilities.is_async`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run async code")
+
     def initial_state(self) -> Any:
         """The state a new sequence starts with (stateful models), or None."""
         return None
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """The metric families the model's code made (shown on ``/metrics``)."""
+        return []
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """What the backend keeps running while it is loaded (an asyncio loop, the tasks of
+        streams), in the runner's nursery: started once the instances are loaded, cancelled
+        once they have ended. The default runs nothing."""
+        task_status.started()
 
     def traceable(self) -> Callable[..., Mapping[str, Any]]:
         """``fn(params, **inputs)``, one execution as JAX can trace it into an ensemble's
@@ -134,11 +189,15 @@ class Backend(abc.ABC):
         """Release what `load` acquired (the runner calls it once its instances ended)."""
 
 
-def backend_for(model: Model) -> Backend:
-    """The backend that runs ``model``'s code (a model, not an ensemble)."""
+def backend_for(model: Model, calls: ServerCalls | None = None) -> Backend:
+    """The backend that runs ``model``'s code (a model, not an ensemble); ``calls``: what its
+    code may call on the server (None: nothing, as in a model tested alone)."""
     from ._jax import JaxBackend
     from ._python import PythonBackend
+    from ._triton_python import TritonPythonBackend
 
+    if model.triton_model is not None:
+        return TritonPythonBackend(model, calls)
     return JaxBackend(model) if model.jit else PythonBackend(model)
 
 
@@ -147,7 +206,10 @@ def model_problems(model: Model, where: str, in_config: str) -> list[str]:
     names the code, ``in_config`` the config, in the messages."""
     from ._jax import jax_problems
     from ._python import python_problems
+    from ._triton_python import triton_problems
 
+    if model.triton_model is not None:
+        return triton_problems(model, where, in_config)
     if model.jit:
         return jax_problems(model, where, in_config)
     return python_problems(model, where, in_config)

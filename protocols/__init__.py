@@ -56,6 +56,8 @@ from ._errors import QueueFullError as QueueFullError
 from ._errors import QueueTimeoutError as QueueTimeoutError
 from ._errors import ServerClosedError as ServerClosedError
 from ._errors import os_error_in as os_error_in
+from ._errors import ungrouped as ungrouped
+from ._kserve_documents import model_config_json as model_config_json
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse
 from ._messages import ParameterValue as ParameterValue
@@ -66,6 +68,8 @@ from ._requests import check_field_names as check_field_names
 from ._requests import new_request as new_request
 from ._statistics import FAILURE_REASONS as FAILURE_REASONS
 from ._statistics import CacheStatistics as CacheStatistics
+from ._statistics import CustomMetricFamily as CustomMetricFamily
+from ._statistics import CustomMetricSample as CustomMetricSample
 from ._statistics import DurationStatistics as DurationStatistics
 from ._statistics import InferStatistics as InferStatistics
 from ._statistics import ModelStatistics as ModelStatistics

@@ -133,3 +133,27 @@ class CacheStatistics:
         if self.used_bytes is None or not self.capacity_bytes:
             return None
         return self.used_bytes / self.capacity_bytes
+
+
+@attrs.frozen(kw_only=True)
+class CustomMetricSample:
+    """One labelled series of a model's own metric: a counter's or gauge's value, or a
+    histogram's cumulative ``buckets`` (upper bound, count; the last one ``inf``), sum and
+    count."""
+
+    labels: Mapping[str, str]
+    value: float = 0.0
+    buckets: tuple[tuple[float, int], ...] = ()
+    sum: float = 0.0
+    count: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class CustomMetricFamily:
+    """A metric family a model's code made (Triton's python-backend custom metrics)."""
+
+    name: str
+    description: str
+    kind: str
+    """``counter``, ``gauge`` or ``histogram``."""
+    samples: tuple[CustomMetricSample, ...] = ()

@@ -27,6 +27,7 @@ from prometheus_client.samples import Sample
 from ..protocols import (
     FAILURE_REASONS,
     CacheStatistics,
+    CustomMetricFamily,
     ModelStatistics,
     StepStatistics,
 )
@@ -43,6 +44,8 @@ class MetricsSource(Protocol):
     def cache_statistics(self) -> CacheStatistics | None: ...
 
     def all_step_statistics(self) -> list[StepStatistics]: ...
+
+    def custom_metrics(self) -> list[CustomMetricFamily]: ...
 
 
 def _family(name: str, documentation: str, kind: str) -> Metric:
@@ -69,6 +72,7 @@ class ServerMetrics(Collector):
             yield from self._cache(cache)
         yield from self._steps(self._source.all_step_statistics())
         yield from self._loads(models)
+        yield from self._custom(self._source.custom_metrics())
 
     # -- Triton's per-model metrics ----------------------------------------------------------
 
@@ -253,6 +257,32 @@ class ServerMetrics(Collector):
             )
         if models:
             yield family
+
+    @staticmethod
+    def _custom(families: Sequence[CustomMetricFamily]) -> Iterator[Metric]:
+        """Models' own metric families (python-backend custom metrics), one per name: a
+        later model's family of the same name and kind adds its series, one of another
+        kind is left out."""
+        merged: dict[str, Metric] = {}
+        kinds: dict[str, str] = {}
+        for family in families:
+            metric = merged.get(family.name)
+            if metric is None:
+                metric = merged[family.name] = _family(family.name, family.description, family.kind)
+                kinds[family.name] = family.kind
+            elif kinds[family.name] != family.kind:
+                continue
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                if family.kind != "histogram":
+                    metric.add_sample(family.name, labels, sample.value)
+                    continue
+                for bound, count in sample.buckets:
+                    le = {**labels, "le": _number(bound)}
+                    metric.add_sample(f"{family.name}_bucket", le, count)
+                metric.add_sample(f"{family.name}_sum", labels, sample.sum)
+                metric.add_sample(f"{family.name}_count", labels, sample.count)
+        yield from merged.values()
 
 
 def _escape_label(value: str) -> str:

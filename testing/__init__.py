@@ -22,6 +22,7 @@ from ._builders import plus_one as plus_one
 from ._builders import settled as settled
 from ._builders import step as step
 from ._builders import tensor as tensor
+from ._builders import triton_model as triton_model
 from ._builders import with_fusion as with_fusion
 from ._front_ends import front_ends as front_ends
 from ._mixed_load import at_rest as at_rest

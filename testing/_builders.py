@@ -1,9 +1,10 @@
 """Models and ensembles built in one line, and checks of a server's state at rest.
 
-`model`, `ensemble` and `step` fill in a `ModelConfig` with short defaults (FP32 tensors of
-16 elements, one CPU instance); `cached`, `with_fusion` and `decoupled` change one setting of
-a definition. `assert_idle`, `fused` and `settled` look inside a running `AsyncServer` (its
-private state: they follow the runtime's internals, for the project's own tests).
+`model`, `triton_model`, `ensemble` and `step` fill in a `ModelConfig` with short defaults
+(FP32 tensors of 16 elements, one CPU instance); `cached`, `with_fusion` and `decoupled`
+change one setting of a definition. `assert_idle`, `fused` and `settled` look inside a
+running `AsyncServer` (its private state: they follow the runtime's internals, for the
+project's own tests).
 """
 
 from __future__ import annotations
@@ -68,6 +69,21 @@ def model(
         parameters=dict(parameters or {}),
     )
     return Model(config=config, execute=execute, initialize=initialize, jit=jit, version=version)
+
+
+def triton_model(
+    name: str,
+    cls: type,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    **config: Any,
+) -> Model:
+    """A Triton python-backend model (``TritonPythonModel``-style class) defined in Python;
+    ``config``: further `ModelConfig` fields (``max_batch_size``, ``dynamic_batching``...)."""
+    made = ModelConfig(
+        name=name, backend="python", input=tuple(inputs), output=tuple(outputs), **config
+    )
+    return Model(config=made, triton_model=cls)
 
 
 def step(

@@ -39,6 +39,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["gpu.py", "--allow-cpu", "--quick"], ["rows/s", "served by orchestrion"]),
         (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
         (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
+        (
+            ["triton_python.py", "--seconds", "0.1"],
+            ["Triton python model (unchanged)", "bls -> add_sub", "INT64 (x64 scoped)"],
+        ),
         (["vs_triton/inprocess.py", "--requests", "300"], ["no batching", "CPU µs/request"]),
         (["soak.py", "--quick"], ["RSS slope after warm-up", "RSS MiB"]),
         (["large_requests.py", "--quick"], ["peak / size", "slowest probe ms"]),
@@ -66,6 +70,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "gpu",
         "memory",
         "bridge",
+        "triton_python",
         "vs_triton_inprocess",
         "soak",
         "large_requests",

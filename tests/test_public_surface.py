@@ -99,3 +99,30 @@ def test_the_testing_helpers_are_documented_and_need_no_pytest() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == "False []"
+
+
+def test_triton_python_backend_utils_is_the_one_other_top_level_module(tmp_path: Path) -> None:
+    """``import triton_python_backend_utils`` works from anywhere (Triton's models import
+    it), is the same objects as ``orchestrion.backends``' and offers Triton's names."""
+    code = (
+        "import triton_python_backend_utils as pb, orchestrion.backends._triton_api as api\n"
+        "assert pb.Tensor is api.Tensor\n"
+        "names = ['Tensor', 'InferenceRequest', 'InferenceResponse', 'InferenceResponseSender',\n"
+        "  'TritonError', 'TritonModelException', 'ModelConfig', 'Logger', 'MetricFamily',\n"
+        "  'get_input_tensor_by_name', 'get_output_tensor_by_name', 'get_input_config_by_name',\n"
+        "  'get_output_config_by_name', 'triton_string_to_numpy', 'numpy_to_triton_type',\n"
+        "  'using_decoupled_model_transaction_policy', 'serialize_byte_tensor',\n"
+        "  'deserialize_bytes_tensor', 'TRITONSERVER_RESPONSE_COMPLETE_FINAL',\n"
+        "  'TRITONSERVER_REQUEST_FLAG_SEQUENCE_START', 'TRITONSERVER_REQUEST_FLAG_SEQUENCE_END',\n"
+        "  'is_model_ready', 'load_model', 'unload_model']\n"
+        "print([n for n in names if not hasattr(pb, n)])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,226 @@
+"""How a Triton python-backend model's answers reach the runtime: the responses ``execute``
+returns, the ones it sends through a request's sender, and a decoupled request's stream.
+
+How this works: an answer's outputs are taken in the data types the config declares where
+the values convert exactly (`outputs_of`). A request of a model that is not decoupled and
+answers through its sender has an `Answer` waiting for that one response. A decoupled
+request is a `PushedStream`: its execution runs in a task of the backend's nursery while the
+model's code, from any thread, pushes responses through the sender into a channel of no
+capacity that the stream's reader takes them from one at a time, so a reader that stops
+reading stops the senders (backpressure, nothing buffered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from ..protocols import InferRequest, ServerClosedError
+from ._base import LoadedInstance
+from ._triton_api import InferenceResponse, TritonModelException
+from ._triton_calls import cancelled_here, in_trio_worker_thread
+from ._triton_requests import InferenceResponseSender
+
+if TYPE_CHECKING:
+    from ._triton_python import TritonPythonBackend
+
+_log = logging.getLogger("orchestrion")
+_ANSWERS = threading.Lock()
+
+
+def _as_declared(array: np.ndarray[Any, Any], dtype: np.dtype[Any] | None) -> Any:
+    """An output in the config's data type when all its values convert exactly (Triton
+    passes a python model's outputs on in whatever type they have: ``np.array([0])`` is
+    INT64 for a TYPE_INT32 output); else as it is, for the output check to refuse."""
+    if dtype is None or array.dtype == dtype or "O" in (array.dtype.kind, dtype.kind):
+        return array
+    if array.dtype.kind in "SU":
+        return array
+    converted = array.astype(dtype)
+    floating = array.dtype.kind in "fc"
+    if np.array_equal(converted.astype(array.dtype), array, equal_nan=floating):
+        return converted
+    return array
+
+
+def outputs_of(
+    response: InferenceResponse, declared: Mapping[str, np.dtype[Any]]
+) -> Mapping[str, Any] | Exception:
+    """A response's outputs (in the declared types, see `_as_declared`), or its error."""
+    error = response.error()
+    if error is not None:
+        return error
+    return {
+        t.name(): _as_declared(t.as_numpy(), declared.get(t.name()))
+        for t in response.output_tensors()
+    }
+
+
+class Answer:
+    """A request of a model that is not decoupled, answered through its sender: the one
+    response, and the final flag as a thread's event and a trio event (sent from any
+    thread; a synchronous execute's thread waits on the first, an async one's task on the
+    second)."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken | None, declared: Mapping[str, Any]) -> None:
+        self.token = token
+        self.declared = declared
+        self.response: InferenceResponse | None = None
+        self.problem: str | None = None
+        self._done: threading.Event | None = None
+        self.trio_done = trio.Event()
+
+    @property
+    def done(self) -> threading.Event:
+        """Set by the final flag (made when first needed: most models return their
+        responses and never use the sender)."""
+        with _ANSWERS:
+            if self._done is None:
+                self._done = threading.Event()
+            return self._done
+
+    def deliver(self, response: InferenceResponse | None, final: bool) -> None:
+        """A sender's response (from any thread)."""
+        if response is not None:
+            if self.response is not None:
+                self.problem = "sent more than one response for a request (it is not decoupled)"
+            self.response = response
+        if final:
+            self.done.set()
+            if self.token is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    self.token.run_sync_soon(self.trio_done.set)
+
+    def wait(self) -> Mapping[str, Any] | Exception:
+        """Wait (in a worker thread) for the final flag: the outcome; an error if the
+        request is cancelled first."""
+        while not self.done.wait(0.05):
+            if cancelled_here():
+                return TritonModelException("the request was cancelled before its response")
+        return self.outcome()
+
+    def outcome(self) -> Mapping[str, Any] | Exception:
+        if self.problem is not None:
+            return TritonModelException(self.problem)
+        if self.response is None:
+            return TritonModelException("sent the final flag without a response")
+        return outputs_of(self.response, self.declared)
+
+
+def never() -> bool:
+    """A request's cancellation check where cancellation cannot be seen."""
+    return False
+
+
+class PushedStream:
+    """One decoupled request: its execution runs in the backend's nursery, and its senders
+    push responses through a channel of no capacity that `__anext__` reads."""
+
+    def __init__(
+        self, backend: TritonPythonBackend, instance: LoadedInstance, request: InferRequest
+    ) -> None:
+        self._backend = backend
+        self._instance = instance
+        self._request = request
+        self._send, self._receive = trio.open_memory_channel[Any](0)
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._started = False
+        self._final = False
+        self._reader_gone = False
+        self._token = trio.lowlevel.current_trio_token()
+        self._sender = InferenceResponseSender(self._deliver, self._is_cancelled)
+
+    def __aiter__(self) -> PushedStream:
+        return self
+
+    async def __anext__(self) -> Mapping[str, Any]:
+        if not self._started:
+            self._started = True
+            try:
+                self._backend.spawn(self._produce)
+            except ServerClosedError:
+                self._done.set()
+                raise
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            if self._final:
+                raise StopAsyncIteration from None
+            raise ServerClosedError(
+                f"model '{self._backend.model.name}' is being unloaded"
+            ) from None
+        if isinstance(item, Exception):
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """The reader is done: later sends are dropped, the execution is cancelled (its
+        BLS calls with it) and waited for."""
+        self._reader_gone = True
+        self._receive.close()
+        self._scope.cancel()
+        if self._started:
+            with trio.CancelScope(shield=True):
+                await self._done.wait()
+
+    def _is_cancelled(self) -> bool:
+        return self._reader_gone
+
+    async def _produce(self) -> None:
+        backend, request = self._backend, self._request
+        try:
+            with self._scope:
+                received = backend._received(request, self._sender)
+                instance = self._instance
+                async with instance.params.lock:  # one execute at a time per instance
+                    if backend.capabilities.is_async:
+                        result = await backend.call_async(instance, [received], request)
+                    else:
+                        result = await trio.to_thread.run_sync(
+                            backend.call, instance, [received], request
+                        )
+                if result is not None:
+                    raise TritonModelException(
+                        "a decoupled model's execute returns None and sends its responses "
+                        "through each request's response sender"
+                    )
+        except Exception as exc:
+            if not self._sender.closed:
+                await self._push(exc, True)
+            else:
+                _log.warning(
+                    "model '%s': execute raised after its final response: %s",
+                    backend.model.name,
+                    exc,
+                )
+        finally:
+            self._done.set()
+
+    def _deliver(self, response: InferenceResponse | None, final: bool) -> None:
+        """A sender's response, from any thread: wait until the reader takes it."""
+        declared = self._backend.declared
+        item = outputs_of(response, declared) if response is not None else None
+        try:
+            if in_trio_worker_thread():
+                trio.from_thread.run(self._push, item, final)
+            else:
+                trio.from_thread.run(self._push, item, final, trio_token=self._token)
+        except (trio.Cancelled, trio.RunFinishedError):
+            pass  # the request was cancelled or the server stopped: the response is dropped
+
+    async def _push(self, item: Any, final: bool) -> None:
+        try:
+            if item is not None:
+                await self._send.send(item)
+            if final or isinstance(item, Exception):
+                self._final = True
+                await self._send.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the reader went away: dropped, as Triton drops a cancelled request's

@@ -1,0 +1,285 @@
+"""The calls a Triton python-backend model's code makes back into the server: BLS
+(``InferenceRequest(...).exec()`` / ``async_exec()``, ``_triton_requests.py``).
+
+How this works: each call of a model's ``execute`` runs under one `Execution` (a context
+variable, so it follows the code into the worker thread that runs ``execute`` and into the
+asyncio task of an ``async def execute``). The execution owns a trio nursery for the duration
+of the call. A BLS call crosses from the model's thread to trio: from a worker thread with
+``trio.from_thread.run``, which runs it in the task of the request being executed, so the
+caller's deadline and cancellation reach the called model; from the asyncio loop of an async
+model through a `TrioBridge` whose tasks live in the execution's nursery. A decoupled BLS
+call's responses are pumped by a task of that nursery into a channel the model's iterator
+reads one at a time (no buffering); when ``execute`` returns, whatever the model left
+unfinished is cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+import trio
+
+from ..protocols import (
+    InferenceTimeoutError,
+    InferRequest,
+    InferResponse,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OrchestrionError,
+    ServerClosedError,
+)
+from ._asyncio_bridge import TrioBridge
+from ._base import ServerCalls
+from ._triton_api import (
+    InferenceResponse,
+    Tensor,
+    TritonError,
+    TritonModelException,
+)
+
+if TYPE_CHECKING:
+    from ._triton_requests import InferenceRequest
+
+T = TypeVar("T")
+
+
+def _on_the_event_loop() -> bool:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
+
+
+def in_trio_worker_thread() -> bool:
+    """Whether this thread was started by ``trio.to_thread.run_sync`` (so ``from_thread``
+    calls run in the task that started it)."""
+    try:
+        trio.from_thread.check_cancelled()
+    except trio.Cancelled:
+        return True
+    except RuntimeError:
+        return False
+    return True
+
+
+def cancelled_here() -> bool:
+    """Whether the request executed in this worker thread was cancelled (False in a thread
+    trio did not start: an async execute's loop, a thread of the model's own)."""
+    try:
+        trio.from_thread.check_cancelled()
+    except trio.Cancelled:
+        return True
+    except RuntimeError:
+        return False
+    return False
+
+
+def error_response(error: BaseException) -> InferenceResponse:
+    """A BLS call's failure as the response Triton gives (``response.error()``)."""
+    if isinstance(error, ModelNotFoundError):
+        code = TritonError.NOT_FOUND
+    elif isinstance(error, InvalidRequestError):
+        code = TritonError.INVALID_ARG
+    elif isinstance(error, ServerClosedError | InferenceTimeoutError):
+        code = TritonError.UNAVAILABLE
+    elif isinstance(error, trio.Cancelled):
+        return InferenceResponse(
+            error=TritonError("the request was cancelled", TritonError.CANCELLED)
+        )
+    else:
+        code = TritonError.INTERNAL
+    text = str(error) if isinstance(error, OrchestrionError) else f"{type(error).__name__}: {error}"
+    return InferenceResponse(error=TritonError(text, code))
+
+
+def model_response(response: InferResponse) -> InferenceResponse:
+    """A server response as the model's code sees it."""
+    tensors = [Tensor(name, array) for name, array in response.outputs.items()]
+    return InferenceResponse(tensors, parameters=dict(response.parameters))
+
+
+@attrs.define(eq=False)
+class Execution:
+    """One call of a model's ``execute``: what its BLS calls and senders need."""
+
+    model_name: str
+    calls: ServerCalls | None
+    token: trio.lowlevel.TrioToken | None
+    nursery: trio.Nursery
+    """Where BLS tasks and decoupled pumps run: the call's own nursery (an async
+    execute), or the backend's (a synchronous one: `finish` cancels its pumps)."""
+    parent: InferRequest | None = None
+    """The request being executed (its trace context goes with BLS calls)."""
+    _bridge: TrioBridge | None = None
+    _pumps: list[trio.CancelScope] = attrs.field(factory=list)
+
+    def context(self) -> contextvars.Context:
+        """A copy of the current context with this execution current: the model's code
+        runs in it (in its worker thread, or as its asyncio task)."""
+        context = contextvars.copy_context()
+        context.run(_EXECUTION.set, self)
+        return context
+
+    def to_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in trio and wait for it, from any thread but trio's own.
+
+        Raises:
+            TritonModelException: called on the event loop, or the server has stopped.
+        """
+        if in_trio_worker_thread():
+            return trio.from_thread.run(fn, *args)
+        self._not_on_the_event_loop()
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self.token)
+        except trio.RunFinishedError:
+            raise TritonModelException("the server has stopped") from None
+
+    def to_trio_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the trio thread and wait for it (see `to_trio`)."""
+        if in_trio_worker_thread():
+            return trio.from_thread.run_sync(fn, *args)
+        self._not_on_the_event_loop()
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+        except trio.RunFinishedError:
+            raise TritonModelException("the server has stopped") from None
+
+    def _not_on_the_event_loop(self) -> None:
+        if _on_the_event_loop():
+            raise TritonModelException(
+                f"model '{self.model_name}': a call into the server (BLS) cannot wait on the "
+                "server's event loop; run the model in a worker thread (drop its 'execution' "
+                "parameter, or set it to 'thread')"
+            )
+        if self.token is None:
+            raise TritonModelException(f"model '{self.model_name}' runs without a server")
+
+    def finish(self) -> None:
+        """The call returned: cancel the decoupled BLS calls it left unfinished."""
+        if not self._pumps:
+            return
+        pumps, self._pumps = self._pumps, []
+
+        def cancel() -> None:
+            for scope in pumps:
+                scope.cancel()
+
+        if _on_the_event_loop():
+            cancel()
+        else:
+            with contextlib.suppress(trio.RunFinishedError):
+                self.to_trio_sync(cancel)
+
+    @property
+    def bridge(self) -> TrioBridge:
+        """The crossing for ``async_exec`` from the model's asyncio loop."""
+        if self._bridge is None:
+            assert self.token is not None, "an async execute runs in a server"
+            self._bridge = TrioBridge(self.token, self.nursery)
+        return self._bridge
+
+    def _server(self, call: str) -> ServerCalls:
+        if self.calls is None:
+            raise TritonModelException(
+                f"{call}: model '{self.model_name}' runs without a server to call"
+            )
+        return self.calls
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """One BLS call; its failure is the response's error, as Triton gives it."""
+        calls = self._server("InferenceRequest.exec")
+        try:
+            wire = request.as_request(self.parent)
+            timeout = request.timeout()
+            with trio.fail_after(timeout / 1e6) if timeout else contextlib.nullcontext():
+                return model_response(await calls.infer(wire, strict_outputs=True))
+        except trio.TooSlowError:
+            return InferenceResponse(
+                error=TritonError("Request timeout expired", TritonError.UNAVAILABLE)
+            )
+        except Exception as exc:
+            return error_response(exc)
+
+    async def open_stream(self, request: InferenceRequest) -> ResponseIterator:
+        """A decoupled BLS call: its responses come through the returned iterator."""
+        calls = self._server("InferenceRequest.exec(decoupled=True)")
+        wire = request.as_request(self.parent)
+        send, receive = trio.open_memory_channel[InferenceResponse](0)
+        scope = trio.CancelScope()
+        self._pumps.append(scope)
+        self.nursery.start_soon(_pump, calls, wire, send, scope)
+        return ResponseIterator(self, receive, scope)
+
+
+async def _pump(
+    calls: ServerCalls,
+    request: InferRequest,
+    send: trio.MemorySendChannel[InferenceResponse],
+    scope: trio.CancelScope,
+) -> None:
+    """Feed a decoupled BLS call's responses to its iterator, one at a time."""
+    with scope, contextlib.suppress(trio.BrokenResourceError):
+        async with send:
+            try:
+                async with contextlib.aclosing(calls.stream_infer(request)) as responses:
+                    async for response in responses:
+                        await send.send(model_response(response))
+            except Exception as exc:
+                await send.send(error_response(exc))
+
+
+class ResponseIterator:
+    """The responses of a decoupled BLS call, one per ``next()`` (which waits for it)."""
+
+    def __init__(
+        self,
+        execution: Execution,
+        receive: trio.MemoryReceiveChannel[InferenceResponse],
+        scope: trio.CancelScope,
+    ) -> None:
+        self._execution = execution
+        self._receive = receive
+        self._scope = scope
+        self._ended = False
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._ended:
+            raise StopIteration
+        try:
+            return self._execution.to_trio(self._receive.receive)
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._ended = True
+            raise StopIteration from None
+        except trio.Cancelled as exc:  # the request being executed was cancelled
+            self._ended = True
+            return error_response(exc)
+
+    def cancel(self) -> None:
+        """Cancel the call: the called model is cancelled and the iteration ends."""
+        self._execution.to_trio_sync(self._scope.cancel)
+
+
+_EXECUTION: contextvars.ContextVar[Execution] = contextvars.ContextVar("orchestrion_execution")
+
+
+def current_execution(call: str) -> Execution:
+    """The execution whose code is running here.
+
+    Raises:
+        TritonModelException: outside a model's ``execute`` (``call`` named).
+    """
+    try:
+        return _EXECUTION.get()
+    except LookupError:
+        raise TritonModelException(
+            f"{call} is only available inside a model's execute, in its own thread or task "
+            "(a thread the model starts itself gets it with contextvars.copy_context().run)"
+        ) from None

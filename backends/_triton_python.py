@@ -1,0 +1,437 @@
+"""Triton's python backend: a ``model.py`` with ``class TritonPythonModel``, run unchanged.
+
+How this works. Each instance of ``instance_group`` is one object of the model's class, made
+and ``initialize``d (with Triton's ``args``) at load, ``finalize``d at unload. One execution
+is one call of ``execute(requests)``: the requests a batch holds (several only with dynamic
+batching: `Capabilities.request_lists`, so each request keeps its own inputs, metadata and
+answer) or the one request of an unbatched model. A synchronous ``execute`` runs in a worker
+thread, always: model code may block on BLS calls or senders, which wait on the event loop
+(a thread hop costs 50-100 µs; Triton's separate stub process costs more, see
+docs/guide.md). An ``async def execute`` runs on an asyncio loop the backend owns (one thread
+per loaded model version, as Triton runs one loop per stub), awaited from trio without a
+thread. Either way the call runs under an `Execution` (BLS, ``_triton_calls.py``) in a trio
+nursery of its own.
+
+Answers: ``execute`` returns one ``InferenceResponse`` per request (an error one fails that
+request alone), or None and sends each request's one response through its sender. A
+decoupled model's requests each open a `PushedStream` whose execution runs in a task of the
+backend's nursery (`Backend.run`); see ``_triton_answers.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import trio
+
+from ..protocols import (
+    CustomMetricFamily,
+    InferRequest,
+    InstanceKind,
+    ModelLoadError,
+    ServerClosedError,
+    Tensors,
+    apply_reshape,
+    ungrouped,
+)
+from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
+from ._function import devices, placement_problems
+from ._triton_answers import Answer, PushedStream, never, outputs_of
+from ._triton_api import InferenceResponse, TritonModelException
+from ._triton_calls import Execution, cancelled_here
+from ._triton_config import initialize_args
+from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
+from ._triton_requests import InferenceRequest, InferenceResponseSender
+
+if TYPE_CHECKING:
+    from ..actors._definition import Model
+
+_log = logging.getLogger("orchestrion")
+
+_CONTROL_KINDS: dict[str, Callable[[InferRequest], bool]] = {
+    "CONTROL_SEQUENCE_START": lambda r: r.sequence_start,
+    "CONTROL_SEQUENCE_END": lambda r: r.sequence_end,
+    "CONTROL_SEQUENCE_READY": lambda r: True,
+}
+
+
+@attrs.define(eq=False)
+class TritonInstance:
+    """One instance: the model's object, and the lock that runs its executions one at a
+    time (decoupled executions; the runner does it for the others)."""
+
+    model: Any
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+
+class TritonPythonBackend(Backend):
+    """A ``TritonPythonModel`` class: ``initialize(args)``, ``execute(requests)``,
+    ``finalize()``."""
+
+    def __init__(self, model: Model, calls: ServerCalls | None) -> None:
+        assert model.triton_model is not None
+        self.model = model
+        self.config = config = model.config
+        self._class: type = model.triton_model
+        self._calls = calls
+        self._async = inspect.iscoroutinefunction(getattr(self._class, "execute", None))
+        decoupled = config.decoupled
+        batching = (
+            config.dynamic_batching is not None and config.max_batch_size > 0 and not decoupled
+        )
+        self.capabilities = Capabilities(
+            is_async=self._async,
+            streaming=decoupled,
+            stateful=config.sequence_batching is not None,
+            batching=batching,
+            thread_safe=True,
+            compiles=False,
+            takes_request=True,
+            traceable=False,
+            request_lists=batching,
+            pushes=decoupled,
+            may_run_inline=False,
+        )
+        self.variable_shapes = True
+        self.declared = {t.name: t.data_type.numpy_dtype for t in config.output}
+        """Each output's numpy dtype, as the config declares it."""
+        self.metrics = MetricStore()
+        self._scope = ModelScope(model.name, model.version, self.metrics)
+        self._nursery: trio.Nursery | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._instances: list[LoadedInstance] = []
+
+    # -- loading and unloading -------------------------------------------------------------
+
+    def _in_scope(self, fn: Callable[..., Any], *args: Any) -> Any:
+        token = enter_scope(self._scope)
+        try:
+            return fn(*args)
+        finally:
+            leave_scope(token)
+
+    def load(self) -> list[LoadedInstance]:
+        """One object of the model's class per instance, ``initialize``d with Triton's
+        ``args`` (runs in a worker thread).
+
+        Raises:
+            ModelLoadError: making or initialising an instance failed (the file named).
+        """
+        config = self.config
+        source = self.model.source
+        repository = Path(source).parents[2] if source.endswith(".py") else None
+        kinds = [g.kind for g in config.instance_group for _ in range(g.count)] or [
+            InstanceKind.KIND_CPU
+        ]
+        made: list[LoadedInstance] = []
+        try:
+            for index, (kind, device) in enumerate(zip(kinds, devices(self.model), strict=False)):
+                device_id = getattr(device, "id", 0) if kind is InstanceKind.KIND_GPU else 0
+                instance = TritonInstance(self._in_scope(self._class))
+                initialize = getattr(instance.model, "initialize", None)
+                if initialize is not None:
+                    args = initialize_args(config, self.model.version, repository, kind, device_id)
+                    self._in_scope(initialize, args)
+                made.append(LoadedInstance(index=index, device=device, params=instance))
+        except Exception as exc:
+            self._instances = made
+            self.close_instances()
+            raise ModelLoadError(
+                f"{source} (model '{self.model.name}'): initialize failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self._instances = made
+        return made
+
+    def close_instances(self) -> None:
+        """``finalize`` every instance (errors logged: an unload still completes)."""
+        for loaded in self._instances:
+            finalize = getattr(loaded.params.model, "finalize", None)
+            if finalize is None:
+                continue
+            try:
+                self._in_scope(finalize)
+            except Exception:
+                _log.exception("model '%s': finalize raised", self.model.name)
+        self._instances = []
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The asyncio loop of an async model and the tasks of decoupled executions, until
+        the instances have ended; then ``finalize`` (in a worker thread)."""
+        thread: threading.Thread | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._token = trio.lowlevel.current_trio_token()
+                if self._async:
+                    self._loop = asyncio.new_event_loop()
+                    thread = threading.Thread(
+                        target=self._loop.run_forever,
+                        name=f"orchestrion model {self.model.name} asyncio loop",
+                        daemon=True,
+                    )
+                    thread.start()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.close_instances)
+                if thread is not None and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+                    await trio.to_thread.run_sync(thread.join)
+                    self._loop.close()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """The metric families the model's code made (``pb_utils.MetricFamily``)."""
+        return self.metrics.snapshot()
+
+    # -- one execution ---------------------------------------------------------------------
+
+    def signature(self, inputs: Tensors) -> Hashable | None:
+        """Python compiles nothing."""
+        return None
+
+    def arguments(
+        self, request: InferRequest, state: Any, instance: LoadedInstance
+    ) -> Mapping[str, Any]:
+        """The request itself (the model's code reads it through ``pb_utils``)."""
+        return {"request": request}
+
+    def execute(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], Any]:
+        """``execute([request])``, here (a worker thread, or inline where the config asks):
+        its one answer (raised when it is an error)."""
+        (outcome,) = self.execute_requests(instance, [arguments["request"]])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome, None
+
+    async def execute_async(
+        self, instance: LoadedInstance, arguments: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], Any]:
+        """`execute` for an ``async def execute`` (on the model's asyncio loop)."""
+        (outcome,) = await self.execute_requests_async(instance, [arguments["request"]])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome, None
+
+    def _prepared(
+        self, requests: list[InferRequest]
+    ) -> tuple[list[Answer], list[InferenceRequest]]:
+        answers = [Answer(self._token, self.declared) for _ in requests]
+        received = [
+            self._received(r, InferenceResponseSender(a.deliver, never))
+            for r, a in zip(requests, answers, strict=True)
+        ]
+        return answers, received
+
+    def execute_requests(
+        self, instance: LoadedInstance, requests: list[InferRequest]
+    ) -> list[Mapping[str, Any] | Exception]:
+        """``execute(requests)`` here: each request's outputs, or the error answering it."""
+        answers, received = self._prepared(requests)
+        try:
+            result = self.call(instance, received, requests[0])
+        except Exception as exc:
+            return [exc] * len(requests)
+        if result is None:  # each request answered through its sender
+            return [a.wait() for a in answers]
+        return self._returned(result, answers)
+
+    async def execute_requests_async(
+        self, instance: LoadedInstance, requests: list[InferRequest]
+    ) -> list[Mapping[str, Any] | Exception]:
+        """`execute_requests` for an ``async def execute``."""
+        answers, received = self._prepared(requests)
+        try:
+            result = await self.call_async(instance, received, requests[0])
+        except Exception as exc:
+            return [exc] * len(requests)
+        if result is None:
+            for answer in answers:
+                await answer.trio_done.wait()
+            return [a.outcome() for a in answers]
+        return self._returned(result, answers)
+
+    def _returned(
+        self, result: Any, answers: Sequence[Answer]
+    ) -> list[Mapping[str, Any] | Exception]:
+        if not isinstance(result, list | tuple) or len(result) != len(answers):
+            count = len(result) if isinstance(result, list | tuple) else type(result).__name__
+            problem = TritonModelException(
+                f"execute returned {count} for {len(answers)} requests: it must return a list "
+                "of pb_utils.InferenceResponse, one per request (or None, and answer through "
+                "each request's response sender)"
+            )
+            return [problem] * len(answers)
+        outcomes: list[Mapping[str, Any] | Exception] = []
+        for item, answer in zip(result, answers, strict=True):
+            if isinstance(item, InferenceResponse):
+                outcomes.append(outputs_of(item, self.declared))
+            elif item is None and answer.response is not None:
+                outcomes.append(answer.outcome())
+            else:
+                outcomes.append(
+                    TritonModelException(
+                        f"execute returned {type(item).__name__} for a request, not a "
+                        "pb_utils.InferenceResponse"
+                    )
+                )
+        return outcomes
+
+    def _received(self, request: InferRequest, sender: InferenceResponseSender) -> InferenceRequest:
+        """``request`` as the model's code receives it."""
+        config = self.config
+        inputs: dict[str, Any] = {}
+        for tensor in config.input:
+            value = request.inputs.get(tensor.name)
+            if value is not None:
+                view = apply_reshape(tensor, value, config.max_batch_size).view()
+                view.flags.writeable = False
+                inputs[tensor.name] = view
+        inputs.update(self._control_inputs(request))
+        wanted = request.requested_outputs
+        outputs = [t.name for t in config.output if wanted is None or t.name in wanted]
+        return InferenceRequest.received(request, inputs, outputs, sender, cancelled_here)
+
+    def _control_inputs(self, request: InferRequest) -> dict[str, Any]:
+        """Sequence batching's control tensors (START, END, READY, CORRID), as Triton
+        passes them to the model."""
+        batching = self.config.sequence_batching
+        if batching is None:
+            return {}
+        lead = (1, 1) if self.config.max_batch_size > 0 else (1,)
+        controls: dict[str, Any] = {}
+        for entry in batching.control_input:
+            for control in entry.get("control", ()):
+                # Proto3 leaves the enum's first value out: no kind is SEQUENCE_START.
+                kind = control.get("kind", "CONTROL_SEQUENCE_START")
+                if kind == "CONTROL_SEQUENCE_CORRID":
+                    dtype = {"TYPE_STRING": object, "TYPE_UINT64": np.uint64}.get(
+                        control.get("data_type", ""), np.int64
+                    )
+                    value: Any = request.sequence_id
+                    if dtype is object:
+                        value = str(value).encode()
+                    controls[entry["name"]] = np.full(lead, value, dtype=dtype)
+                elif kind in _CONTROL_KINDS:
+                    on = _CONTROL_KINDS[kind](request)
+                    for key, dtype in (
+                        ("int32_false_true", np.int32),
+                        ("fp32_false_true", np.float32),
+                        ("bool_false_true", np.bool_),
+                    ):
+                        if key in control:
+                            pair = control[key]
+                            controls[entry["name"]] = np.full(lead, pair[1 if on else 0], dtype)
+        return controls
+
+    def _execution(self, nursery: trio.Nursery, parent: InferRequest) -> Execution:
+        return Execution(
+            model_name=self.model.name,
+            calls=self._calls,
+            token=self._token,
+            nursery=nursery,
+            parent=parent,
+        )
+
+    def call(
+        self, instance: LoadedInstance, requests: list[InferenceRequest], parent: InferRequest
+    ) -> Any:
+        """One call of a synchronous ``execute``, in this thread; the BLS streams it leaves
+        unfinished are cancelled when it returns."""
+        nursery = self._nursery
+        if nursery is None:
+            raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
+        execution = self._execution(nursery, parent)
+        context = execution.context()
+        context.run(enter_scope, self._scope)
+        try:
+            return context.run(instance.params.model.execute, requests)
+        finally:
+            execution.finish()
+
+    async def call_async(
+        self, instance: LoadedInstance, requests: list[InferenceRequest], parent: InferRequest
+    ) -> Any:
+        """One call of an ``async def execute`` on the model's asyncio loop, in a nursery of
+        its own (its ``async_exec`` calls run there)."""
+        async with ungrouped(trio.open_nursery()) as nursery:
+            execution = self._execution(nursery, parent)
+            context = execution.context()
+            context.run(enter_scope, self._scope)
+            try:
+                return await self._on_loop(context, instance.params.model.execute(requests))
+            finally:
+                nursery.cancel_scope.cancel()  # what the model left running (a BLS stream)
+
+    async def _on_loop(self, context: contextvars.Context, coroutine: Any) -> Any:
+        """Run an async ``execute``'s coroutine on the model's asyncio loop; cancelling
+        the waiting trio task cancels the coroutine (and waits until it has ended)."""
+        loop = self._loop
+        if loop is None:
+            coroutine.close()
+            raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        future = context.run(asyncio.run_coroutine_threadsafe, coroutine, loop)
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        finally:
+            if not future.done():
+                future.cancel()
+                with trio.CancelScope(shield=True):
+                    await done.wait()
+        return future.result()
+
+    # -- decoupled models ------------------------------------------------------------------
+
+    def open_stream(self, instance: LoadedInstance, arguments: Mapping[str, Any]) -> Any:
+        """The responses the model's senders push for one request."""
+        return PushedStream(self, instance, arguments["request"])
+
+    def spawn(self, fn: Callable[[], Any]) -> None:
+        """Start ``fn`` in the backend's nursery.
+
+        Raises:
+            ServerClosedError: the model is being unloaded.
+        """
+        if self._nursery is None:
+            raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
+        self._nursery.start_soon(fn)
+
+
+def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
+    """Why ``model``'s class cannot run as a Triton python model (empty: it can)."""
+    cls = model.triton_model
+    errors = placement_problems(model, in_config)
+    execute = getattr(cls, "execute", None)
+    if not callable(execute):
+        return [*errors, f"{where}: class TritonPythonModel defines no execute(self, requests)"]
+    if inspect.isgeneratorfunction(execute) or inspect.isasyncgenfunction(execute):
+        errors.append(
+            f"{where}: TritonPythonModel.execute is a generator; a decoupled model sends its "
+            "responses through request.get_response_sender()"
+        )
+    if model.config.decoupled and model.config.sequence_batching is not None:
+        errors.append(f"{in_config}: a decoupled model cannot also be stateful")
+    return errors
