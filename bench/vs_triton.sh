@@ -3,13 +3,16 @@
 #
 # Both servers load the same ensemble (bench/vs_triton/*_models: preprocess, then classify and
 # segment in parallel; max_batch_size 8, dynamic batching, INPUT FP32 [16]; Triton's steps are
-# Python-backend numpy, orchestrion's are jitted JAX). Each server is started on loopback once
-# per cache setting, perf_analyzer measures it over each protocol at each concurrency, and the
-# tables (throughput, p50, p99) and the throughput ratio orchestrion / Triton are printed.
+# Python-backend numpy, orchestrion's are jitted JAX, or, with ORCHESTRION_MODELS=triton_models,
+# Triton's own files, their Python-backend model.py run unchanged). Each server is started on
+# loopback once per cache setting, perf_analyzer measures it over each protocol at each
+# concurrency, and the tables (throughput, p50, p99) and the throughput ratio orchestrion /
+# Triton are printed.
 #
 #   bench/vs_triton.sh                       # everything (about 7-8 minutes on 2 cores)
 #   CONCURRENCY="1" PROTOCOLS="grpc" CACHE="off" bench/vs_triton.sh   # smoke run
 #   SERVERS="triton" bench/vs_triton.sh      # one side only
+#   ORCHESTRION_MODELS=triton_models bench/vs_triton.sh   # both servers, the same model files
 #
 # Environment: SERVERS ("triton orchestrion"), PROTOCOLS ("grpc http"), CONCURRENCY ("1 4 8"),
 # CACHE ("off on"; "on" starts the server with --cache-config local,size=CACHE_SIZE and
@@ -18,8 +21,12 @@
 # perf_analyzer run: at 20k+ infer/s, cache hits, each of its windows takes longer to process
 # than the last), CACHE_SIZE (1048576),
 # TRITON_PORTS ("18000 18001 18002"), ORCHESTRION_PORTS ("19000 19001 19002") as HTTP gRPC
-# metrics, READY_TIMEOUT (120 s), RESULTS (bench/.peers/results), CHECK (1: before measuring,
-# bench/vs_triton/check_same.py checks over HTTP that the server computes the numpy reference).
+# metrics, READY_TIMEOUT (120 s), ORCHESTRION_MODELS (orchestrion_models: the folder under
+# bench/vs_triton that orchestrion serves; triton_models serves it Triton's own Python-backend
+# files), RESULTS (bench/.peers/results; bench/.peers/results-same-models with
+# ORCHESTRION_MODELS=triton_models, so neither run overwrites the other's), CHECK (1: before
+# measuring, bench/vs_triton/check_same.py checks over HTTP that the server computes the numpy
+# reference).
 #
 # First run installs, into git-ignored folders only: bench/.venv-triton (nvidia-pytriton 0.7.0,
 # which carries tritonserver 2.51.0 and its Python backend) and bench/.peers (perf_analyzer
@@ -37,7 +44,12 @@ cd "$ROOT"
 HERE="$ROOT/bench/vs_triton"
 VENV="$ROOT/bench/.venv-triton"
 PEERS="$ROOT/bench/.peers"
-RESULTS="${RESULTS:-$PEERS/results}"
+ORCHESTRION_MODELS="${ORCHESTRION_MODELS:-orchestrion_models}"
+case "$ORCHESTRION_MODELS" in
+  orchestrion_models) RESULTS="${RESULTS:-$PEERS/results}" ;;
+  triton_models) RESULTS="${RESULTS:-$PEERS/results-same-models}" ;;
+  *) RESULTS="${RESULTS:-$PEERS/results-$ORCHESTRION_MODELS}" ;;
+esac
 SERVERS="${SERVERS:-triton orchestrion}"
 PROTOCOLS="${PROTOCOLS:-grpc http}"
 CONCURRENCY="${CONCURRENCY:-1 4 8}"
@@ -152,8 +164,10 @@ start_server() {
     triton)
       # The venv's libpython first (else the stub may load another one), then pytriton's
       # libraries: the copied stub's RPATH ($ORIGIN/../../../../nvidia_pytriton.libs) no
-      # longer reaches them.
-      PATH="$VENV/bin:$PATH" \
+      # longer reaches them. Started from $PEERS, not the repository root: the stubs put their
+      # working directory on sys.path, where orchestrion's own triton_python_backend_utils.py
+      # would shadow Triton's.
+      (cd "$PEERS" && exec env PATH="$VENV/bin:$PATH" \
         LD_LIBRARY_PATH="$PYLIBDIR:$TRITON_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         "$PYTRITON/tritonserver/bin/tritonserver" \
         --model-repository="$HERE/triton_models" \
@@ -162,10 +176,10 @@ start_server() {
         --http-address="$HOST" --grpc-address="$HOST" --metrics-address="$HOST" \
         --http-port="$http" --grpc-port="$grpc" --metrics-port="$metrics" \
         --allow-gpu-metrics=false --log-verbose=0 \
-        "${cache_flags[@]}" >"$logfile" 2>&1 &
+        "${cache_flags[@]}") >"$logfile" 2>&1 &
       ;;
     orchestrion)
-      "$ROOT/scripts/orchestrion" serve --model-repository "$HERE/orchestrion_models" \
+      "$ROOT/scripts/orchestrion" serve --model-repository "$HERE/$ORCHESTRION_MODELS" \
         --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
         "${cache_flags[@]}" >"$logfile" 2>&1 &
       ;;
@@ -241,6 +255,13 @@ done
 for cache in $CACHE; do
   case "$cache" in on | off) ;; *) die "unknown cache setting '$cache' (off or on)" ;; esac
 done
+case " $SERVERS " in
+  *" orchestrion "*)
+    [ -f "$HERE/$ORCHESTRION_MODELS/ensemble/config.pbtxt" ] ||
+      die "no ensemble in $HERE/$ORCHESTRION_MODELS (orchestrion_models or triton_models)"
+    log "orchestrion serves bench/vs_triton/$ORCHESTRION_MODELS"
+    ;;
+esac
 setup_venv
 setup_perf_analyzer
 case " $SERVERS " in *" triton "*) setup_backends ;; esac
