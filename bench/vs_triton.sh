@@ -165,8 +165,7 @@ start_server() {
       # The venv's libpython first (else the stub may load another one), then pytriton's
       # libraries: the copied stub's RPATH ($ORIGIN/../../../../nvidia_pytriton.libs) no
       # longer reaches them. Started from $PEERS, not the repository root: the stubs put their
-      # working directory on sys.path, where orchestrion's own triton_python_backend_utils.py
-      # would shadow Triton's.
+      # working directory on sys.path, and nothing of this checkout belongs on Triton's.
       (cd "$PEERS" && exec env PATH="$VENV/bin:$PATH" \
         LD_LIBRARY_PATH="$PYLIBDIR:$TRITON_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         "$PYTRITON/tritonserver/bin/tritonserver" \
