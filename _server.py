@@ -25,6 +25,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from .actors import Model, ModelRegistry
 from .actors._watchdog import watch_event_loop
+from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
     CacheStatistics,
@@ -166,12 +167,13 @@ class AsyncServer:
             model_name, inputs, options, fields, caller="AsyncServer.infer"
         )
         request = self._traced(request, options.traceparent)
+        # Outputs leave the server as numpy arrays, whatever device computed them.
         if request.timeout is None:
-            return await self._registry.infer(request, strict_outputs=True)
+            return response_on_host(await self._registry.infer(request, strict_outputs=True))
         with trio.move_on_after(request.timeout):
             # Work that cannot be interrupted (a synchronous execute) may finish late: its
             # result is then cancelled at the next checkpoint, and counted as a failure.
-            return await self._registry.infer(request, strict_outputs=True)
+            return response_on_host(await self._registry.infer(request, strict_outputs=True))
         raise InferenceTimeoutError(
             f"request for model '{model_name}' timed out after {options.timeout} s"
         )
@@ -226,7 +228,7 @@ class AsyncServer:
         request = self._traced(request, options.traceparent)
         async with contextlib.aclosing(self._registry.stream_infer(request)) as responses:
             async for response in responses:
-                yield response
+                yield response_on_host(response)
 
     def cache_statistics(self) -> CacheStatistics | None:
         """The response cache's counters and usage (None when the server has no cache)."""

@@ -49,6 +49,7 @@ import trio
 
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
+from ._batch_queue import concatenate, repeat_last_row, take_rows
 from ._definition import FusionMode
 from ._instances import THREAD_ABOVE_NS
 from ._runner import ModelRunner
@@ -306,14 +307,15 @@ class Fusion:
 
     def _run_graph(
         self, signature: Signature, inputs: Tensors, rows: Sequence[int]
-    ) -> dict[str, np.ndarray[Any, Any]] | None:
+    ) -> dict[str, Any] | None:
         assert self._call is not None
         started = time.perf_counter_ns()
         holder = self._holder
         outer, holder.runs = holder.runs, self
         try:
-            raw = self._call(self._params, inputs)
-            outputs = {name: np.asarray(value) for name, value in raw.items()}
+            # Waited for, not copied: the outputs stay where the fused call computed them.
+            raw = dict(self._call(self._params, inputs))
+            outputs: dict[str, Any] = jax.block_until_ready(raw)  # type: ignore[no-untyped-call]
         except Exception:
             self._refused.add(signature)
             self._ready.discard(signature)
@@ -483,14 +485,14 @@ class Fusion:
         pad = size - total
         inputs = {}
         for name in batch[0].inputs:
-            parts = [w.inputs[name] for w in batch]
+            parts: list[Any] = [w.inputs[name] for w in batch]
             if pad:  # copies of the last row: computed, then dropped
-                parts.append(np.repeat(parts[-1][-1:], pad, axis=0))
-            inputs[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                parts.append(repeat_last_row(parts[-1], pad))
+            inputs[name] = parts[0] if len(parts) == 1 else concatenate(parts)
         outputs = self.run(inputs, rows, compile_later)
         if outputs is None:
             return
         offset = 0
         for waiting, count in zip(batch, rows, strict=True):
-            waiting.outputs = {n: v[offset : offset + count] for n, v in outputs.items()}
+            waiting.outputs = {n: take_rows(v, offset, offset + count) for n, v in outputs.items()}
             offset += count

@@ -25,6 +25,7 @@ import attrs
 import trio
 from opentelemetry.trace import Span
 
+from ..backends import host_tensors, response_on_host
 from ..caches import CacheActor, Flight
 from ..protocols import (
     InferenceError,
@@ -244,7 +245,7 @@ class RequestRouter:
             key = cache_key(
                 runner.config.name,
                 runner.version,
-                request.inputs,
+                host_tensors(request.inputs),  # a jitted step's outputs are on their device
                 wanted,
                 revision=self.models.revision(runner),
             )
@@ -299,7 +300,7 @@ class RequestRouter:
         self, runner: Runner, request: InferRequest, flight: Flight
     ) -> InferResponse:
         """Run a miss exactly as asked (pruned like an uncached request) and store it."""
-        response = await runner.infer(request)
+        response = response_on_host(await runner.infer(request))
         storing = time.perf_counter_ns()
         flight.store(response)
         runner.stats.cache_miss_ns += flight.insert_ns  # Triton: a miss costs lookup + insert

@@ -16,5 +16,7 @@ from ._base import LoadedInstance as LoadedInstance
 from ._base import ServerCalls as ServerCalls
 from ._base import backend_for as backend_for
 from ._base import model_problems as model_problems
+from ._function import host_tensors as host_tensors
 from ._function import import_code_file as import_code_file
+from ._function import response_on_host as response_on_host
 from ._triton_config import auto_complete as auto_complete

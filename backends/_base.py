@@ -136,8 +136,9 @@ class Backend(abc.ABC):
     def execute(
         self, instance: LoadedInstance, arguments: Mapping[str, Any]
     ) -> tuple[Mapping[str, Any], Any]:
-        """Run one execution to the end: its outputs as host arrays, and a stateful model's
-        new state (None otherwise). Raises whatever the model's code raised."""
+        """Run one execution to the end: its outputs (numpy arrays, or device arrays that a
+        compiling backend leaves where they were computed, finished), and a stateful
+        model's new state (None otherwise). Raises whatever the model's code raised."""
 
     async def execute_async(
         self, instance: LoadedInstance, arguments: Mapping[str, Any]

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..protocols import (
     InferRequest,
+    InferResponse,
     InstanceKind,
     ModelLoadError,
     Tensors,
@@ -202,8 +203,45 @@ class FunctionBackend(Backend):
         return make(self.model.config) if make is not None else None
 
 
+def on_host(value: Any) -> Any:
+    """``value`` as a numpy array (a device array is copied to the host; one on the CPU is
+    viewed in place, without a copy)."""
+    return np.asarray(value)
+
+
+def to_host(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """``tensors`` with every device array copied to the host (numpy arrays as they are)."""
+    return {k: v if type(v) is np.ndarray else on_host(v) for k, v in tensors.items()}
+
+
+def host_tensors(tensors: Tensors) -> Tensors:
+    """``tensors`` itself when every one is a numpy array (the common case, no copy), else
+    `to_host` of it."""
+    for value in tensors.values():
+        if type(value) is not np.ndarray:
+            return to_host(tensors)
+    return tensors
+
+
+def response_on_host(response: InferResponse) -> InferResponse:
+    """``response`` with its outputs on the host: what leaves the server (a client's
+    answer, a cache entry) is numpy, whatever device computed it."""
+    outputs = response.outputs
+    for value in outputs.values():
+        if type(value) is not np.ndarray:
+            return InferResponse(  # not attrs.evolve: this runs for most responses
+                model_name=response.model_name,
+                model_version=response.model_version,
+                request_id=response.request_id,
+                outputs=to_host(outputs),
+                parameters=response.parameters,
+            )
+    return response
+
+
 def host_outputs(raw: Any) -> Any:
-    """A result's arrays on the host (numpy); waits for JAX's asynchronous dispatch."""
+    """A plain-Python result's arrays on the host (numpy); waits for JAX's asynchronous
+    dispatch of any JAX array the code returned."""
     if type(raw) is dict or isinstance(raw, Mapping):
-        return {k: np.asarray(v) for k, v in raw.items()}
+        return to_host(raw)
     return raw

@@ -5,8 +5,10 @@ How this works: at load, every instance's ``initialize`` result is placed on its
 or every size a batching model pads to), then timed: the median of five calls tells the
 runner whether the model is short enough to run inline on the event loop. Shapes that are
 not declared (``-1`` dimensions, optional inputs, other batch sizes) compile on first use,
-which the runner moves to a worker thread. Outputs come back as numpy arrays (which waits for
-JAX's asynchronous dispatch). A model with a 64-bit input or output (INT64, UINT64, FP64)
+which the runner moves to a worker thread. Outputs stay device arrays (waited for, not
+copied): an ensemble's next jitted step takes them where they are, and the runtime copies a
+tensor to the host only where it must (the client's response, the cache, a plain-Python
+step). A model with a 64-bit input or output (INT64, UINT64, FP64)
 is traced, compiled and run with JAX's 64-bit types switched on for its own calls only
 (``jax.enable_x64``, which is scoped to the calling thread), so its token ids stay exact
 while every other model in the process keeps JAX's 32-bit default. Such a model is not fused
@@ -33,12 +35,25 @@ from ..protocols import (
     bytes_tensors,
 )
 from ._base import Capabilities, LoadedInstance
-from ._function import FunctionBackend, host_outputs, placement_problems, takes_request
+from ._function import FunctionBackend, placement_problems, takes_request
 
 if TYPE_CHECKING:
     from ..actors._definition import Model
 
 _WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
+
+
+_DEFAULT_DEVICE = jax.devices()[0]
+
+
+def _moved(arguments: Mapping[str, Any], device: Any) -> Mapping[str, Any]:
+    """``arguments`` with device arrays that live elsewhere moved to ``device`` (an
+    explicit device-to-device copy; host arrays are left for jit to copy)."""
+    moved = dict(arguments)
+    for name, value in arguments.items():
+        if isinstance(value, jax.Array) and value.devices() != {device}:
+            moved[name] = jax.device_put(value, device)
+    return moved
 
 
 def wide_tensors(config: ModelConfig) -> list[str]:
@@ -114,18 +129,26 @@ class JaxBackend(FunctionBackend):
     def arguments(
         self, request: InferRequest, state: Any, instance: LoadedInstance
     ) -> Mapping[str, Any]:
-        """The request's inputs as they are (jit copies them to the device), reshaped where
-        the config says; a stateful model's state placed on the instance's device."""
+        """The request's inputs as they are (jit copies host arrays to the device; a device
+        array on another device is moved there), reshaped where the config says; a stateful
+        model's state placed on the instance's device."""
+        args: Mapping[str, Any]
         if self._stateful:
-            return {**self._inputs(request), "state": self._place(state, instance.device)}
-        if self._plain:
-            return request.inputs
-        return self._inputs(request)
+            args = {**self._inputs(request), "state": self._place(state, instance.device)}
+        elif self._plain:
+            args = request.inputs
+        else:
+            args = self._inputs(request)
+        if instance.device is not _DEFAULT_DEVICE:
+            args = _moved(args, instance.device)
+        return args
 
     def execute(
         self, instance: LoadedInstance, arguments: Mapping[str, Any]
     ) -> tuple[Mapping[str, Any], Any]:
-        """One compiled call; its outputs as numpy arrays (the hot path: written out)."""
+        """One compiled call, waited for; its outputs stay device arrays (the next jitted
+        step takes them as they are; the runtime copies them to the host only where they
+        leave: a response, the cache, a plain-Python step)."""
         if self._wide:
             with _x64():
                 return self._execute(instance, arguments)
@@ -140,9 +163,16 @@ class JaxBackend(FunctionBackend):
             raw, new_state = self.split_state(raw)
         else:
             new_state = None
-        if type(raw) is dict:  # np.asarray waits for JAX's asynchronous dispatch
-            return {k: np.asarray(v) for k, v in raw.items()}, new_state
-        return host_outputs(raw), new_state
+        # Waiting here (no copy) keeps the execution's time and errors in this call: JAX
+        # dispatches asynchronously. (Written out: jax.block_until_ready walks a pytree.)
+        if type(raw) is dict:
+            for value in raw.values():
+                if type(value) is not np.ndarray:
+                    wait = getattr(value, "block_until_ready", None)
+                    if wait is not None:
+                        wait()
+            return raw, new_state
+        return jax.block_until_ready(raw), new_state  # type: ignore[no-untyped-call]
 
     def traceable(self) -> Callable[..., Mapping[str, Any]]:
         """``fn(params, **inputs)``: ``execute`` itself, not its compiled form."""

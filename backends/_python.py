@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from ._base import Capabilities, LoadedInstance
-from ._function import FunctionBackend, host_outputs, placement_problems
+from ._function import FunctionBackend, host_outputs, on_host, placement_problems
 
 if TYPE_CHECKING:
     from ..actors._definition import Model
@@ -57,9 +57,10 @@ class PythonBackend(FunctionBackend):
         )
 
     def _view(self, value: Any) -> Any:
-        if isinstance(value, np.ndarray):
-            value = value.view()
-            value.flags.writeable = False
+        if not isinstance(value, np.ndarray):  # a jitted step's output, still on its device
+            value = on_host(value)
+        value = value.view()
+        value.flags.writeable = False
         return value
 
     def execute(

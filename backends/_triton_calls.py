@@ -34,6 +34,7 @@ from ..protocols import (
 )
 from ._asyncio_bridge import TrioBridge
 from ._base import ServerCalls
+from ._function import on_host
 from ._triton_api import (
     InferenceResponse,
     Tensor,
@@ -99,7 +100,7 @@ def error_response(error: BaseException) -> InferenceResponse:
 
 def model_response(response: InferResponse) -> InferenceResponse:
     """A server response as the model's code sees it."""
-    tensors = [Tensor(name, array) for name, array in response.outputs.items()]
+    tensors = [Tensor(name, on_host(array)) for name, array in response.outputs.items()]
     return InferenceResponse(tensors, parameters=dict(response.parameters))
 
 

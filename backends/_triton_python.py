@@ -45,7 +45,7 @@ from ..protocols import (
     ungrouped,
 )
 from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
-from ._function import devices, placement_problems
+from ._function import devices, on_host, placement_problems
 from ._triton_answers import Answer, PushedStream, never, outputs_of
 from ._triton_api import InferenceResponse, TritonModelException
 from ._triton_calls import Execution, cancelled_here
@@ -299,6 +299,8 @@ class TritonPythonBackend(Backend):
         for tensor in config.input:
             value = request.inputs.get(tensor.name)
             if value is not None:
+                if not isinstance(value, np.ndarray):  # a jitted step's output, on its device
+                    value = on_host(value)
                 view = apply_reshape(tensor, value, config.max_batch_size).view()
                 view.flags.writeable = False
                 inputs[tensor.name] = view

@@ -79,6 +79,7 @@ from ._tensors import TensorChecker as TensorChecker
 from ._tensors import apply_reshape as apply_reshape
 from ._tensors import check_inputs as check_inputs
 from ._tensors import check_outputs as check_outputs
+from ._tensors import is_device_array as is_device_array
 from ._tensors import match_batching as match_batching
 from ._tensors import stored_outputs_problem as stored_outputs_problem
 from ._tensors import undo_reshape as undo_reshape

@@ -20,6 +20,19 @@ from ._errors import InvalidRequestError
 from ._messages import Tensors
 
 
+def is_device_array(value: Any) -> bool:
+    """Whether ``value`` is an array an accelerator library holds (a JAX array on a device):
+    no numpy array, but a numpy ``dtype``, a ``shape`` and ``__array__``. Such a tensor
+    travels between models as it is; checks read only its dtype and shape, never its data,
+    so an ensemble's intermediates can stay on their device."""
+    return (
+        not isinstance(value, np.ndarray)
+        and isinstance(getattr(value, "dtype", None), np.dtype)
+        and hasattr(value, "shape")
+        and hasattr(value, "__array__")
+    )
+
+
 def expected_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
     """The full shape of ``tensor`` as seen by clients, -1 for any size (batch included)."""
     return ((-1,) if max_batch_size > 0 else ()) + tensor.dims
@@ -90,7 +103,8 @@ def check_inputs(
             except TypeError as exc:
                 problems.append(f"input '{tensor.name}': {exc}")
                 continue
-        array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        keep = isinstance(value, np.ndarray) or is_device_array(value)
+        array = value if keep else np.asarray(value)
         if tensor.data_type is DataType.BYTES:
             if array.dtype.kind not in "OSU":
                 problems.append(
@@ -165,7 +179,7 @@ def check_outputs(config: ModelConfig, outputs: Mapping[str, Any]) -> Tensors:
         if tensor.data_type is DataType.BYTES:
             array = as_bytes_array(value)
         else:
-            array = np.asarray(value)
+            array = value if is_device_array(value) else np.asarray(value)
             if array.dtype != tensor.data_type.numpy_dtype:
                 raise ValueError(
                     f"output '{name}' has data type {_type_name(array)}, "
@@ -250,7 +264,7 @@ def match_batching(
     if array.ndim == rank - 1 and max_batch_size > 0:
         return array[np.newaxis]
     if array.ndim == rank + 1 and max_batch_size == 0 and array.shape[0] == 1:
-        return np.squeeze(array, axis=0)
+        return array.reshape(array.shape[1:])  # a device array stays on its device
     return array
 
 
@@ -328,7 +342,9 @@ class TensorChecker:
                     if optional:
                         continue
                     raise _Slow
-                if type(value) is not np.ndarray or value.dtype != dtype:
+                if type(value) is not np.ndarray and not is_device_array(value):
+                    raise _Slow
+                if value.dtype != dtype:
                     raise _Slow
                 shape = value.shape
                 if not want.matches(shape):
@@ -351,7 +367,7 @@ class TensorChecker:
             dims = {t.name: t.dims for t in self.config.input}
             inputs = {
                 name: match_batching(value, dims[name], mbs)
-                if name in dims and isinstance(value, np.ndarray)
+                if name in dims and (isinstance(value, np.ndarray) or is_device_array(value))
                 else value
                 for name, value in inputs.items()
             }
@@ -364,7 +380,11 @@ class TensorChecker:
         try:
             for name, value in outputs.items():
                 spec = self._outputs.get(name)
-                if spec is None or type(value) is not np.ndarray or value.dtype != spec[0]:
+                if spec is None:
+                    raise _Slow
+                if type(value) is not np.ndarray and not is_device_array(value):
+                    raise _Slow
+                if value.dtype != spec[0]:
                     raise _Slow
                 if not spec[1].matches(value.shape):
                     raise _Slow

@@ -15,7 +15,7 @@ ALLOWED = {
     "caches": {"protocols"},
     "telemetry": {"protocols"},
     "actors": {"backends", "caches", "protocols", "telemetry"},
-    "_server": {"actors", "caches", "protocols", "telemetry"},
+    "_server": {"actors", "backends", "caches", "protocols", "telemetry"},
     "_blocking": {"_server", "actors", "protocols"},
     "frontends": {
         "_server",
@@ -34,7 +34,9 @@ LARGER = {"frontends/_http_server.py", "caches/_actor.py"}
 
 
 def _package_modules() -> list[Path]:
-    modules = [ROOT / name for name in ("_server.py", "_blocking.py", "__main__.py")]
+    modules = [
+        ROOT / name for name in ("_server.py", "_blocking.py", "__main__.py")
+    ]
     for folder in PACKAGE_FOLDERS:
         modules.extend(sorted((ROOT / folder).glob("*.py")))
     return modules
