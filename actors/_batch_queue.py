@@ -341,11 +341,10 @@ def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]
                 f"output '{name}' has shape {list(array.shape)}: a batching model must return "
                 f"one row per input row ({needed} or more)"
             )
+    views = {name: rows_view(array) for name, array in outputs.items()}  # once per batch
     parts: list[dict[str, Any]] = []
     start = 0
     for count in rows:
-        parts.append(
-            {name: take_rows(array, start, start + count) for name, array in outputs.items()}
-        )
+        parts.append({name: take_rows(a, start, start + count) for name, a in views.items()})
         start += count
     return parts

@@ -49,7 +49,7 @@ import trio
 
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
-from ._batch_queue import concatenate, repeat_last_row, take_rows
+from ._batch_queue import concatenate, repeat_last_row, rows_view, take_rows
 from ._definition import FusionMode
 from ._instances import THREAD_ABOVE_NS
 from ._runner import ModelRunner
@@ -492,7 +492,8 @@ class Fusion:
         outputs = self.run(inputs, rows, compile_later)
         if outputs is None:
             return
+        views = {n: rows_view(v) for n, v in outputs.items()}  # once per batch
         offset = 0
         for waiting, count in zip(batch, rows, strict=True):
-            waiting.outputs = {n: take_rows(v, offset, offset + count) for n, v in outputs.items()}
+            waiting.outputs = {n: take_rows(v, offset, offset + count) for n, v in views.items()}
             offset += count

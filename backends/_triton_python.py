@@ -100,7 +100,7 @@ class TritonPythonBackend(Backend):
             traceable=False,
             request_lists=batching,
             pushes=decoupled,
-            may_run_inline=False,
+            may_run_inline=not decoupled and not waits_on_server(model),
         )
         self.variable_shapes = True
         self.declared = {t.name: t.data_type.numpy_dtype for t in config.output}
@@ -420,6 +420,27 @@ class TritonPythonBackend(Backend):
         if self._nursery is None:
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
         self._nursery.start_soon(fn)
+
+
+_SERVER_CALLS = ("InferenceRequest", "get_response_sender", "is_model_ready", "async_exec")
+"""Names in a model's code that can wait on the server (BLS calls, senders)."""
+
+
+def waits_on_server(model: Model) -> bool:
+    """Whether the model's code may wait on the server: its code files (the model's folder,
+    helpers beside ``model.py`` included) name a BLS call or a response sender. Such code
+    must never run on the event loop; other code is measured like any plain-Python model's
+    (inline when its executions prove short). Code that cannot be read counts as waiting."""
+    source = model.source
+    try:
+        if source.endswith(".py"):
+            folder = Path(source).parent
+            texts = [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
+        else:
+            texts = [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return True
+    return any(name in text for text in texts for name in _SERVER_CALLS)
 
 
 def triton_problems(model: Model, where: str, in_config: str) -> list[str]:

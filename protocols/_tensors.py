@@ -19,18 +19,29 @@ from ._dtypes import DataType
 from ._errors import InvalidRequestError
 from ._messages import Tensors
 
+_DEVICE_TYPES: set[type] = set()
+_OTHER_TYPES: set[type] = {np.ndarray}
+
 
 def is_device_array(value: Any) -> bool:
     """Whether ``value`` is an array an accelerator library holds (a JAX array on a device):
     no numpy array, but a numpy ``dtype``, a ``shape`` and ``__array__``. Such a tensor
     travels between models as it is; checks read only its dtype and shape, never its data,
-    so an ensemble's intermediates can stay on their device."""
-    return (
-        not isinstance(value, np.ndarray)
+    so an ensemble's intermediates can stay on their device. (Decided once per type: it
+    runs for every tensor.)"""
+    kind = type(value)
+    if kind in _DEVICE_TYPES:
+        return True
+    if kind in _OTHER_TYPES:
+        return False
+    found = (
+        not isinstance(value, np.ndarray | np.generic)  # numpy's own arrays and scalars
         and isinstance(getattr(value, "dtype", None), np.dtype)
         and hasattr(value, "shape")
         and hasattr(value, "__array__")
     )
+    (_DEVICE_TYPES if found else _OTHER_TYPES).add(kind)
+    return found
 
 
 def expected_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
