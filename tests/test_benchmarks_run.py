@@ -40,6 +40,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["memory.py", "--quick"], ["peak chunks at consumer", "correct: True"]),
         (["bridge.py", "--calls", "400"], ["TrioBridge.call, x16", "µs per call"]),
         (
+            ["asyncio_api.py", "--requests", "100", "--concurrency", "1,4"],
+            ["orchestrion.aio", "asyncio.to_thread(Server.infer)", "aio ÷ this"],
+        ),
+        (
             ["triton_python.py", "--seconds", "0.1"],
             ["Triton python model (unchanged)", "bls -> add_sub", "INT64 (x64 scoped)"],
         ),
@@ -70,6 +74,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "gpu",
         "memory",
         "bridge",
+        "asyncio_api",
         "triton_python",
         "vs_triton_inprocess",
         "soak",
