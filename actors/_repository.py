@@ -134,6 +134,8 @@ def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
     Returns:
         the entries that could be read, and every problem found (files named).
     """
+    if not root.exists():
+        return [], [f"{root}: model repository does not exist"]
     if not root.is_dir():
         return [], [f"{root}: model repository is not a directory"]
     if (root / CONFIG_FILE).is_file():

@@ -38,7 +38,11 @@ from ._cli_run import add_run_flags, run_command
 from ._control import Shutdown
 from ._serve import Endpoints, ServeOptions, serve
 
-_DESCRIPTION = "The orchestrion command line: run an example pipeline, validate a model repository."
+_DESCRIPTION = (
+    "The orchestrion command line: serve a Triton model repository over HTTP and gRPC "
+    "(serve), run an example pipeline and summarise it (run), check a model repository "
+    "(validate). `orchestrion COMMAND --help` for each command's flags."
+)
 """``orchestrion --help``'s description."""
 
 
@@ -52,7 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_serve_flags(serve)
     validate = commands.add_parser("validate", help="check a model repository, report every error")
-    validate.add_argument("--model-repository", required=True, type=Path)
+    validate.add_argument(
+        "--model-repository",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="the model repository to check (every config, every ensemble, every model.py)",
+    )
     return parser
 
 
@@ -78,6 +88,10 @@ async def _serve(options: ServeOptions, log_verbose: int, console: Console) -> i
         level=logging.DEBUG if log_verbose > 0 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if log_verbose == 0:
+        # JAX reports at INFO each platform it probed and did not find ("Unable to initialize
+        # backend 'tpu'"): noise on every machine without one.
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     started = time.perf_counter()
     shutdown = Shutdown()
     async with ungrouped(trio.open_nursery()) as nursery:

@@ -84,7 +84,11 @@ def _add_telemetry_flags(
         default=default_metrics_port,
         metavar="PORT",
         help="serve Prometheus metrics at http://<metrics-host>:PORT/metrics"
-        + (f" (default: {default_metrics_port})" if default_metrics_port else ""),
+        + (
+            f" (default: {default_metrics_port})"
+            if default_metrics_port
+            else " (default: no metrics endpoint)"
+        ),
     )
     telemetry.add_argument(
         "--metrics-host",
@@ -105,13 +109,23 @@ def _add_telemetry_flags(
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     """Triton's ``tritonserver`` flags, with `ServeOptions`' defaults (Triton's, but
     loopback addresses)."""
-    serve.add_argument("--model-repository", required=True, type=Path)
+    serve.add_argument(
+        "--model-repository",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="a Triton-layout model repository: DIR/<model>/config.pbtxt and version folders",
+    )
     network = serve.add_argument_group("network (binds loopback unless told otherwise)")
     _add_endpoint_flags(network)
     _add_limit_flags(network)
     _add_model_flags(serve.add_argument_group("models"))
     serve.add_argument(
-        "--log-verbose", type=int, default=0, metavar="LEVEL", help="> 0: debug logging"
+        "--log-verbose",
+        type=int,
+        default=0,
+        metavar="LEVEL",
+        help="0: INFO logging (the default); above 0: DEBUG",
     )
     add_server_flags(
         serve,
@@ -123,12 +137,25 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 def _add_endpoint_flags(network: argparse._ArgumentGroup) -> None:
     """Where the HTTP, gRPC and metrics endpoints listen, and whether they do."""
     network.add_argument(
-        "--host", default=LOOPBACK, metavar="ADDRESS", help="address of every endpoint"
+        "--host",
+        default=LOOPBACK,
+        metavar="ADDRESS",
+        help=f"the address every endpoint binds (default: {LOOPBACK}; 0.0.0.0: every interface)",
     )
-    for name in ("http", "grpc"):
+    for name, label in (("http", "HTTP (KServe v2 REST)"), ("grpc", "gRPC")):
         port = _default(f"{name}_port")
-        network.add_argument(f"--{name}-port", type=int, default=port, metavar="PORT")
-        network.add_argument(f"--{name}-address", metavar="ADDRESS", help="overrides --host")
+        network.add_argument(
+            f"--{name}-port",
+            type=int,
+            default=port,
+            metavar="PORT",
+            help=f"the {label} endpoint's port (default: {port}, as Triton; 0: any free port)",
+        )
+        network.add_argument(
+            f"--{name}-address",
+            metavar="ADDRESS",
+            help=f"the {label} endpoint's address (overrides --host)",
+        )
         network.add_argument(
             f"--allow-{name}",
             type=_flag,
@@ -136,6 +163,7 @@ def _add_endpoint_flags(network: argparse._ArgumentGroup) -> None:
             const=True,
             default=port is not None,
             metavar="BOOL",
+            help=f"serve the {label} endpoint (default: true)",
         )
     network.add_argument(
         "--allow-metrics",
@@ -144,6 +172,7 @@ def _add_endpoint_flags(network: argparse._ArgumentGroup) -> None:
         const=True,
         default=_default("metrics_port") is not None,
         metavar="BOOL",
+        help="serve Prometheus metrics (default: true)",
     )
 
 
@@ -194,10 +223,14 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
 
 def _add_model_flags(models: argparse._ArgumentGroup) -> None:
     """Model control (none, explicit, poll), readiness and the graceful stop."""
+    mode = _default("model_control_mode")
     models.add_argument(
         "--model-control-mode",
-        choices=[mode.value for mode in ModelControlMode],
-        default=_default("model_control_mode"),
+        choices=[m.value for m in ModelControlMode],
+        default=mode,
+        help="none: load the whole repository at start; explicit: load and unload through the "
+        "API (and --load-model); poll: follow the repository's changes "
+        f"(default: {getattr(mode, 'value', mode)})",
     )
     models.add_argument(
         "--load-model",
@@ -206,11 +239,13 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
         metavar="NAME",
         help="explicit mode: a model to load at start (repeatable; * for all)",
     )
+    poll = _default("poll_interval")
     models.add_argument(
         "--repository-poll-secs",
         type=float,
-        default=_default("poll_interval"),
+        default=poll,
         metavar="SECONDS",
+        help=f"poll mode: how often the repository is checked for changes (default: {poll:g})",
     )
     models.add_argument(
         "--strict-readiness",
@@ -219,13 +254,17 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
         const=True,
         default=_default("strict_readiness"),
         metavar="BOOL",
+        help="/v2/health/ready is true only while every model is ready (default: "
+        f"{str(_default('strict_readiness')).lower()})",
     )
+    exit_timeout = _default("exit_timeout")
     models.add_argument(
         "--exit-timeout-secs",
         type=float,
-        default=_default("exit_timeout"),
+        default=exit_timeout,
         metavar="SECONDS",
-        help="on SIGINT/SIGTERM, how long requests in flight may take to finish",
+        help="on SIGINT/SIGTERM, how long requests in flight may take to finish "
+        f"(default: {exit_timeout:g})",
     )
 
 

@@ -16,6 +16,8 @@ import argparse
 import contextlib
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import numpy as np
@@ -41,15 +43,19 @@ def add_run_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "-n", "--requests", type=int, help="number of requests (default: the example's)"
     )
-    command.add_argument("-c", "--concurrency", type=int, help="requests in flight at once")
-    command.add_argument("--seed", type=int, default=0, help="seed of the input generator")
+    command.add_argument(
+        "-c", "--concurrency", type=int, help="requests in flight at once (default: the example's)"
+    )
+    command.add_argument(
+        "--seed", type=int, default=0, help="seed of the input generator (default: 0)"
+    )
     add_server_flags(command, default_cache=DEFAULT_CACHE, default_metrics_port=None)
     command.add_argument(
         "--linger",
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="keep the server (and its metrics endpoint) up this long after the run",
+        help="keep the server (and its metrics endpoint) up this long after the run (default: 0)",
     )
 
 
@@ -114,10 +120,17 @@ async def _run(
             console.print(f"metrics at {server.metrics_url}", highlight=False)
         counts: dict[str, int] = {}
         peaks: dict[int, int] = {}
+        cached = bool(options.cache) and server.model_config(example.model).response_cache
         latencies, errors, wall = await _drive(
             server, example, requests, concurrency, seed, console, counts, peaks
         )
         _summary(server, example, latencies, errors, wall, concurrency, console)
+        if cached and counts.get("distinct", 0) < len(latencies) + len(errors):
+            console.print(
+                f"[dim]The example sends {counts['distinct']} distinct inputs, so most "
+                "requests are answered from the response cache: the figures above mix cache "
+                "hits with computed requests. `--no-cache` times the pipeline itself.[/dim]"
+            )
         if server._registry.decoupled(example.model):
             steps = ", ".join(
                 f"step[{s.step}] {s.model_name}: {peaks.get(s.step, 0)} "
@@ -149,6 +162,7 @@ async def _drive(
     counts["responses"] = 0
     rng = np.random.default_rng(seed)
     inputs = [example.make_inputs(i, rng) for i in range(requests)]
+    counts["distinct"] = len({_fingerprint(i) for i in inputs})
     latencies: list[float] = []
     errors: list[str] = []
     next_index = iter(range(requests))
@@ -200,6 +214,20 @@ async def _drive(
     return latencies, errors, time.perf_counter() - started
 
 
+def _fingerprint(inputs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What tells two requests' inputs apart (as the cache key does: names, types, shapes,
+    bytes)."""
+    return tuple(
+        (
+            name,
+            str(array.dtype),
+            array.shape,
+            array.tobytes() if array.dtype != object else tuple(array.ravel().tolist()),
+        )
+        for name, array in sorted((n, np.asarray(a)) for n, a in inputs.items())
+    )
+
+
 def _progress(console: Console) -> Progress:
     """The requests' progress bar, refreshed by `_drive` (every 0.1 s, and at the end)."""
     return Progress(
@@ -229,8 +257,25 @@ def _summary(
     console: Console,
 ) -> None:
     requests = len(latencies) + len(errors)
-    table = Table(title=f"{example.name}: {requests} requests at concurrency {concurrency}")
-    table.add_column("metric")
+    top = server.model_statistics(example.model)[-1].inference_stats
+    hits = top.cache_hit.count
+    cache = server.cache_statistics()
+    joined = cache.coalesced if cache is not None else 0
+    computed = requests - len(errors) - hits
+    console.print(
+        f"[bold]{example.name}[/bold]: {requests} requests at concurrency {concurrency}: "
+        f"[bold]{computed} computed[/bold] by the pipeline"
+        + (
+            f", [bold]{hits} answered from the response cache[/bold] ({joined} of them by "
+            "waiting for an identical request already running)"
+            if hits
+            else ""
+        )
+        + (f", [red]{len(errors)} failed[/red]" if errors else ""),
+        highlight=False,
+    )
+    table = Table()
+    table.add_column("all requests")
     table.add_column("value", justify="right")
     table.add_row("requests", str(requests))
     table.add_row("errors", str(len(errors)))
@@ -238,7 +283,12 @@ def _summary(
     table.add_row("p50 latency", f"{_percentile(latencies, 50) * 1e3:.2f} ms")
     table.add_row("p99 latency", f"{_percentile(latencies, 99) * 1e3:.2f} ms")
     console.print(table)
-    models = Table(title="executions per model")
+    models = Table(
+        title="executions per model",
+        caption="ok / failed: requests the model answered or failed; cache hits: hits of the "
+        "lookups; execs: executions (a batch is one execution of several requests); compute: "
+        "mean time of one execution",
+    )
     every = server.model_statistics()
     longest = max((len(s.name) for s in every), default=5)
     models.add_column("model", no_wrap=True, min_width=longest)
@@ -258,7 +308,6 @@ def _summary(
             f"{compute:.2f} ms" if n else "-",
         )
     console.print(models)
-    cache = server.cache_statistics()
     if cache is not None:
         utilization = cache.utilization
         console.print(

@@ -54,10 +54,12 @@ def find_example(name: str) -> Path:
     for candidate in candidates:
         if (candidate / "example.py").is_file():
             return candidate.resolve()
+    searched = list(dict.fromkeys(str(c) for c in candidates))  # an absolute path thrice
+    examples = Path(__file__).parent.parent / "examples"
+    known = sorted(p.name for p in examples.iterdir() if (p / "example.py").is_file())
     raise ConfigError(
-        f"no example '{name}' (looked for example.py in: "
-        + ", ".join(str(c) for c in candidates)
-        + ")"
+        f"no example '{name}' (looked for example.py in: {', '.join(searched)}; the examples "
+        f"are: {', '.join(known)})"
     )
 
 

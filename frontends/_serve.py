@@ -155,6 +155,8 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
         raise ConfigError("--load-model needs --model-control-mode=explicit")
     if options.exit_timeout < 0 or options.poll_interval <= 0:
         raise ConfigError("--exit-timeout-secs must be >= 0 and --repository-poll-secs > 0")
+    if not options.model_repository.exists():
+        raise ConfigError(f"{options.model_repository}: model repository does not exist")
     if not options.model_repository.is_dir():
         raise ConfigError(f"{options.model_repository}: model repository is not a directory")
     return mode

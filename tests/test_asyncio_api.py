@@ -180,7 +180,7 @@ def test_a_load_error_leaves_open_server_as_itself() -> None:
         async with orchestrion.aio.open_server(model_repository="/nonexistent/repository"):
             pass
 
-    with pytest.raises(orchestrion.ConfigError, match="not a directory"):
+    with pytest.raises(orchestrion.ConfigError, match="does not exist"):
         _run(main)
 
 

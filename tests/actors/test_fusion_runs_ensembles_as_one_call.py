@@ -211,14 +211,20 @@ def _batching_models(*, fusion: str = "on", delay: int = 0, rows_out: Any = None
         config = attrs.evolve(definition.config, max_batch_size=8, dynamic_batching=batching)
         return attrs.evolve(definition, config=config)
 
-    prepare = model("prepare", lambda X: {"Y": X * 2 + 1}, [tensor("X")], [tensor("Y")])
+    # Inline by configuration: on a loaded machine the warm-up's timing could put a step in a
+    # worker thread, and only inline steps are gathered into a fused call (what this tests).
+    inline = {"execution": "inline"}
+    prepare = model(
+        "prepare", lambda X: {"Y": X * 2 + 1}, [tensor("X")], [tensor("Y")], parameters=inline
+    )
     classify = model(
         "classify",
         rows_out or (lambda X: {"C": X.sum(axis=1, keepdims=True)}),
         [tensor("X")],
         [tensor("C", dims=(1,))],
+        parameters=inline,
     )
-    segment = model("segment", lambda X: {"S": -X}, [tensor("X")], [tensor("S")])
+    segment = model("segment", lambda X: {"S": -X}, [tensor("X")], [tensor("S")], parameters=inline)
     pipe = ensemble(
         "pipe",
         [tensor("IN")],

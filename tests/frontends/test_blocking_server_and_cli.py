@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 import urllib.request
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import orchestrion
+from orchestrion.frontends._cli import _parser
 from orchestrion.frontends._cli import main as cli
 from orchestrion.testing import ensemble, model, step, tensor
 from support.served import start_server
@@ -191,9 +193,68 @@ def test_cli_cache_errors(
 
 
 def test_cli_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
-    """An unknown example is a clear error with exit status 2."""
+    """An unknown example is a clear error with exit status 2, listing the examples."""
     assert cli(["run", "no_such_example"]) == 2
-    assert "no example 'no_such_example'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no example 'no_such_example'" in out
+    assert "the examples are: image_pipeline, streaming_backpressure" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "headline", "note"),
+    [
+        ([], "20 computed by the pipeline", False),
+        (
+            ["--cache-config", "local,size=65536"],
+            "2 computed by the pipeline, 18 answered from the response cache",
+            True,
+        ),
+    ],
+)
+def test_cli_run_says_what_was_computed_and_what_came_from_the_cache(
+    tiny_example: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    headline: str,
+    note: bool,
+) -> None:
+    """The headline separates requests the pipeline computed from the cache's answers, a note
+    says when repeats made the figures cache hits, and the columns are explained. (The tiny
+    example's model caches; without --cache-config, this test runs it with --no-cache.)"""
+    chosen = flags or ["--no-cache"]
+    assert cli(["run", str(tiny_example), "-c", "1", *chosen]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines at the terminal width
+    assert headline in out
+    assert ("The example sends 2 distinct inputs" in out) is note
+    assert "execs: executions (a batch is one execution of several requests)" in out
+
+
+def test_cli_missing_repository_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve` and `validate` with a repository path that does not exist: one line saying so."""
+    for command in (["serve"], ["validate"]):
+        assert cli([*command, "--model-repository", "/no/such/repository"]) != 0
+        out = capsys.readouterr().out
+        assert "/no/such/repository: model repository does not exist" in out
+        assert "Traceback" not in out
+
+
+def test_every_cli_flag_has_help_with_its_default() -> None:
+    """Every flag of every command says what it does; those with a default say it, and the
+    top-level help names every command."""
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(name in (parser.description or "") for name in ("serve", "run", "validate"))
+    missing = []
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            text = action.help or ""
+            if not text:
+                missing.append(f"{name} {action.option_strings[0]}: no help")
+            elif action.default not in (None, False, []) and "default" not in text:
+                missing.append(f"{name} {action.option_strings[0]}: no default in its help")
+    assert missing == []
 
 
 def test_cli_serve_exposes_metrics_until_interrupted(tiny_example: Path) -> None:
