@@ -243,6 +243,10 @@ class AsyncServer:
         """The config of a loaded model."""
         return self._registry.resolve(name, version).config
 
+    def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
+        """The class labels of a loaded model's outputs (`Model.labels`), by output."""
+        return self._registry.resolve(name, version).labels
+
     def is_decoupled(self, name: str) -> bool:
         """Whether ``name`` streams its responses (a decoupled model, or an ensemble with
         one): use `stream_infer` for it."""

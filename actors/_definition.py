@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import inspect
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -70,6 +70,9 @@ class Model:
             does not). A model made in Python gets a random one unless given: pass the
             same string in every process (and change it with the code or its data) to share
             cached answers across processes.
+        labels: class labels per output, for the classification extension (a client asking
+            an output for its top classes gets ``"score:index:label"``); a repository's model
+            reads them from each output's ``label_filename``, one label per line.
     """
 
     config: ModelConfig
@@ -83,6 +86,7 @@ class Model:
     config_source: str = "<python>"
     """Where the config came from (its ``config.pbtxt``), for error messages."""
     revision: str = attrs.field(factory=lambda: secrets.token_hex(16))
+    labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
 
     @property
     def name(self) -> str:
@@ -107,6 +111,9 @@ def check_model(model: Model) -> list[str]:
     config = model.config
     if model.version < 1:
         return [f"{where}: version must be a positive integer, got {model.version}"]
+    unlabelled = sorted(set(model.labels) - {t.name for t in config.output})
+    if unlabelled:
+        return [f"{where}: labels are given for {unlabelled}, which are not outputs"]
     if config.is_ensemble:
         if model.execute is not None or model.initialize is not None:
             return [f"{where}: an ensemble has no execute or initialize"]

@@ -19,7 +19,7 @@ stream is not counted: it lasts as long as its caller reads, and its steps then 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -62,6 +62,8 @@ class EnsembleRunner:
     revision: str = ""
     """The fingerprint of the ensemble's own config (`Model.revision`); its cache keys also
     take its composing models' (`ModelRegistry.revision`)."""
+    labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
+    """Class labels per output (`Model.labels`)."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)

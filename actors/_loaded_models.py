@@ -13,7 +13,7 @@ it, so a load, reload or unload never lets a cache answer with another revision'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -52,6 +52,9 @@ class Runner(Protocol):
     stats: StatsRecorder
     checker: TensorChecker
     output_names: frozenset[str]
+
+    @property
+    def labels(self) -> Mapping[str, Sequence[str]]: ...
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
 

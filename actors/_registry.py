@@ -299,6 +299,7 @@ class ModelRegistry:
                     self._router,
                     self.observer,
                     revision=model.revision,
+                    labels=model.labels,
                 )
                 await start(ensemble, ensemble.serve)
         except BaseException:  # cancelled while starting: stop what was started

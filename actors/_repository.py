@@ -201,8 +201,15 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     config = entry.config
     config_source = str(entry.path / CONFIG_FILE)
     fingerprint = revision(entry, version)
+    labels = read_labels(entry)
     if config.is_ensemble:
-        return Model(config=config, version=version, source=config_source, revision=fingerprint)
+        return Model(
+            config=config,
+            version=version,
+            source=config_source,
+            revision=fingerprint,
+            labels=labels,
+        )
     path = entry.model_file(version)
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
@@ -216,6 +223,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             source=str(path),
             config_source=config_source,
             revision=fingerprint,
+            labels=labels,
         )
         errors = check_model(model)
         if errors:
@@ -236,8 +244,51 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         source=str(path),
         config_source=config_source,
         revision=fingerprint,
+        labels=labels,
     )
     errors = check_model(model)
     if errors:
         raise ConfigError(errors)
     return model
+
+
+MAX_LABELS_FILE = 64 * 1024 * 1024
+"""The largest ``label_filename`` read (bytes): a million labels of 60 characters."""
+
+
+def read_labels(entry: RepositoryEntry) -> dict[str, tuple[str, ...]]:
+    """The class labels of each output that names a ``label_filename``: one per line of a
+    file inside the model's folder.
+
+    Raises:
+        ConfigError: the file is missing, outside the model folder, too large, or not UTF-8.
+    """
+    labels: dict[str, tuple[str, ...]] = {}
+    folder = entry.path.resolve()
+    for output in entry.config.output:
+        if not output.label_filename:
+            continue
+        where = f"{entry.path / CONFIG_FILE}: output '{output.name}': label_filename"
+        path = (folder / output.label_filename).resolve()
+        if not path.is_relative_to(folder):
+            raise ConfigError(
+                f"{where} '{output.label_filename}' is outside the model's folder {folder}"
+            )
+        try:
+            with path.open("rb") as handle:
+                data = handle.read(MAX_LABELS_FILE + 1)
+        except OSError as exc:
+            raise ConfigError(f"{where} '{output.label_filename}' cannot be read: {exc}") from exc
+        if len(data) > MAX_LABELS_FILE:
+            raise ConfigError(
+                f"{where} '{output.label_filename}' is larger than {MAX_LABELS_FILE} bytes"
+            )
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} '{output.label_filename}' is not UTF-8 text") from None
+        lines = text.split("\n")  # only newlines: a label's index is its line number
+        if lines and not lines[-1]:
+            lines.pop()
+        labels[output.name] = tuple(line.removesuffix("\r") for line in lines)
+    return labels

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping, Sequence
 
 import attrs
 import trio
@@ -118,6 +118,11 @@ class ModelRunner:
     def revision(self) -> str:
         """The fingerprint of the code and config this runner runs (`Model.revision`)."""
         return self.model.revision
+
+    @property
+    def labels(self) -> Mapping[str, Sequence[str]]:
+        """Class labels per output (`Model.labels`)."""
+        return self.model.labels
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this version's statistics."""

@@ -219,6 +219,25 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         help=f"largest gRPC message accepted or sent (default: {_mib(max_message)}; Triton's "
         "is 2 GiB - 1: a request costs 6-7x its size in memory at its peak)",
     )
+    network.add_argument(
+        "--allow-client-shm",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="BOOL",
+        help="let clients register system shared memory regions and send inputs and receive "
+        "outputs through them (a client can then read and write any shared memory object "
+        "this user can open; default: only when HTTP and gRPC listen on loopback addresses)",
+    )
+    max_regions = _default("max_shm_regions")
+    network.add_argument(
+        "--max-shm-regions",
+        type=int,
+        default=max_regions,
+        metavar="N",
+        help=f"shared memory regions registered at once, at most (default: {max_regions})",
+    )
 
 
 def _add_model_flags(models: argparse._ArgumentGroup) -> None:
@@ -295,6 +314,8 @@ def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         http_header_timeout=args.http_header_timeout,
         http_body_timeout=args.http_body_timeout,
         grpc_max_message_size=args.grpc_max_message_size,
+        allow_client_shm=args.allow_client_shm,
+        max_shm_regions=args.max_shm_regions,
     )
 
 

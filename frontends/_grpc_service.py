@@ -30,6 +30,8 @@ from ..protocols import (
     ConfigError,
     InvalidRequestError,
     OrchestrionError,
+    RegionNotFoundError,
+    UnsupportedError,
     os_error_in,
 )
 from ..protocols._errors import ungrouped
@@ -49,6 +51,8 @@ from ..protocols._kserve_status import error_message, grpc_status
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
 from ._offload import off_loop
+from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
+from ._wire_infer import WireInfer
 
 _log = logging.getLogger("orchestrion.grpc")
 T = TypeVar("T")
@@ -76,7 +80,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     control: ModelControl
     bridge: TrioBridge
     version: str
+    shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
+    """The registered shared memory regions (`serve` shares one with the HTTP front end)."""
     _streams: OpenStreams = attrs.field(factory=lambda: OpenStreams(), init=False)
+    _wire: WireInfer = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._wire = WireInfer(self.server, self.shared_memory)
 
     def stop_streams(self) -> None:
         """A graceful stop of every open stream (on the trio thread): each answers what it
@@ -195,38 +205,56 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
                 f"model '{wire.model_name}' is decoupled (zero or many responses per request): "
                 "ModelInfer gives one response; use ModelStreamInfer"
             )
-        response = await self.server.infer(
-            wire.model_name,
-            wire.inputs,
-            options=wire.options,
-            traceparent=traceparent,
-        )
+        response = await self._wire.infer(wire, traceparent)
         size = sum(int(a.nbytes) for a in response.outputs.values())
-        return await off_loop(size, serialized_grpc_response, response)
+        return await off_loop(size, serialized_grpc_response, response, wire.shared_outputs)
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        """No shared memory regions: orchestrion does not offer shared memory."""
-        return service_pb2.SystemSharedMemoryStatusResponse()
+        """The registered system shared memory regions, or the one named."""
 
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        """No CUDA shared memory regions."""
-        return service_pb2.CudaSharedMemoryStatusResponse()
+        def status() -> Any:
+            response = service_pb2.SystemSharedMemoryStatusResponse()
+            for region in self.shared_memory.status(request.name):
+                response.regions[region["name"]].CopyFrom(
+                    service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+                )
+            return response
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        """Nothing to unregister."""
-        return service_pb2.SystemSharedMemoryUnregisterResponse()
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        """Nothing to unregister."""
-        return service_pb2.CudaSharedMemoryUnregisterResponse()
+        return await self._read(context, status)
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        """Refused: tensors travel in the messages."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "shared memory is not supported")
+        """Register a system shared memory region."""
+        await self._read(
+            context,
+            self.shared_memory.register,
+            request.name,
+            request.key,
+            request.offset,
+            request.byte_size,
+        )
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        """Unregister a region, or all of them (empty name)."""
+        await self._read(context, self.shared_memory.unregister, request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        """No CUDA shared memory regions (a named one is not found)."""
+        if request.name:
+            await self._abort(
+                context,
+                RegionNotFoundError(f"Unable to find cuda shared memory region: '{request.name}'"),
+            )
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        """Nothing to unregister: done (client scripts unregister before they start)."""
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        """Refused: tensors travel in the messages."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "CUDA shared memory is not supported")
+        """Refused: CUDA shared memory is not offered."""
+        await self._abort(context, UnsupportedError(CUDA_UNSUPPORTED))
 
     async def TraceSetting(self, request: Any, context: Any) -> Any:
         """Refused: tracing is configured at start (``--trace-config``)."""
@@ -248,6 +276,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             self.server,
             lambda item: loop.call_soon_threadsafe(responses.put_nowait, item),
             self._streams,
+            self._wire,
         )
         traceparent = _traceparent(context)
 
@@ -294,6 +323,7 @@ async def serve_grpc_api(
     shutdown: Shutdown | None = None,
     exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    shared_memory: SharedMemory | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
@@ -303,7 +333,8 @@ async def serve_grpc_api(
     ``port=0`` picks a free port (``address`` says which). Cancelling stops it at once (RPCs
     in flight are cut off). Requesting ``shutdown`` stops it gracefully, then it returns: no
     new RPCs, open streams refuse what they read next, RPCs in flight get up to
-    ``exit_timeout`` seconds.
+    ``exit_timeout`` seconds. ``shared_memory``: the registered regions, shared with the
+    HTTP front end (its own when None).
 
     Raises:
         ConfigError: the address cannot be bound (before it reports).
@@ -313,7 +344,9 @@ async def serve_grpc_api(
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     async with ungrouped(trio.open_nursery()) as nursery:
         bridge = TrioBridge(trio.lowlevel.current_trio_token(), nursery)
-        service = InferenceService(server, control, bridge, version)
+        service = InferenceService(
+            server, control, bridge, version, shared_memory or SharedMemory()
+        )
         loop_thread = _LoopThread(service, address, max_message_size)
         try:
             bound = await nursery.start(loop_thread.run)

@@ -36,6 +36,7 @@ from ..protocols._kserve_grpc import (
 from ..protocols._kserve_requests import WireRequest
 from ..protocols._kserve_status import error_message
 from ._offload import off_loop
+from ._wire_infer import WireInfer
 
 _log = logging.getLogger("orchestrion.grpc")
 
@@ -107,6 +108,8 @@ class Stream:
     """Hands a response (or `END`) to the asyncio side, thread-safely."""
     streams: OpenStreams
     """The front end's open streams, to `stop` on a graceful stop."""
+    wire: WireInfer
+    """Runs each request (shared memory, classification) on ``server``."""
     credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
     stopping: bool = False
     _nursery: trio.Nursery | None = None
@@ -192,21 +195,19 @@ class Stream:
         try:
             decoupled = self.server.is_decoupled(wire.model_name)
             if not decoupled:  # one answer: `infer` carries the timeout to the models too
-                response = await self.server.infer(
-                    wire.model_name,
-                    wire.inputs,
-                    options=wire.options,
-                    traceparent=traceparent,
-                )
-                await self.emit(_stream_response(encode_grpc_response(response, final=True)))
+                response = await self.wire.infer(wire, traceparent)
+                message = encode_grpc_response(response, final=True, shared=wire.shared_outputs)
+                await self.emit(_stream_response(message))
                 return
             # The stream's own deadline below covers the timeout: stream_infer takes none.
             options = attrs.evolve(wire.options, timeout=None, traceparent=traceparent)
-            responses = self.server.stream_infer(wire.model_name, wire.inputs, options=options)
+            responses = self.wire.stream(wire, options)
             async with contextlib.aclosing(responses) as each:
                 with trio.fail_after(wire.options.timeout or math.inf):
                     async for response in each:
-                        message = encode_grpc_response(response, final=False)
+                        message = encode_grpc_response(
+                            response, final=False, shared=wire.shared_outputs
+                        )
                         await self.emit(_stream_response(message))
             if wire.empty_final_response:
                 version = str(wire.options.model_version)

@@ -21,7 +21,14 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..protocols import ConfigError, InferResponse, InvalidRequestError, OrchestrionError
+from ..protocols import (
+    ConfigError,
+    InferResponse,
+    InvalidRequestError,
+    OrchestrionError,
+    RegionNotFoundError,
+    UnsupportedError,
+)
 from ..protocols._kserve_documents import (
     model_config_json,
     model_metadata,
@@ -48,6 +55,8 @@ from ._http_server import (
     default_max_connections,
 )
 from ._offload import off_loop
+from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
+from ._wire_infer import WireInfer
 
 _log = logging.getLogger("orchestrion.http")
 
@@ -58,6 +67,10 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 _MODEL_ROUTE = re.compile(
     r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
     r"(?:/(?P<action>ready|config|stats|infer))?/?$"
+)
+_SHARED_MEMORY_ROUTE = re.compile(
+    r"^/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<region>[^/]+))?"
+    r"/(?P<action>status|register|unregister)/?$"
 )
 _REPOSITORY_ROUTE = re.compile(
     r"^/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)/?$"
@@ -81,6 +94,12 @@ class HttpApi:
     control: ModelControl
     version: str
     max_input_size: int = DEFAULT_MAX_INPUT_SIZE
+    shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
+    """The registered shared memory regions (`serve` shares one with the gRPC front end)."""
+    _wire: WireInfer = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._wire = WireInfer(self.server, self.shared_memory)
 
     async def handle(self, request: HttpRequest) -> Answer:
         """Answer one request; every error becomes Triton's JSON error body."""
@@ -109,7 +128,7 @@ class HttpApi:
             return await self._repository(request)
         route = path.rstrip("/")
         if route.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
-            return self._shared_memory(route, request.method)
+            return self._shared_memory(request)
         if route == "/v2/health/live":
             _expect(method, "GET")
             return 200, [], []
@@ -121,15 +140,37 @@ class HttpApi:
             return _json(server_metadata(self.version))
         raise _HttpError(404, f"no route for {path}")
 
-    def _shared_memory(self, route: str, method: str) -> Answer:
-        # No regions can be registered: status lists none, unregistering is a no-op.
-        if route.endswith("/status"):
-            _expect(method, "GET")
-            return _json([])
-        _expect(method, "POST")
-        if route.endswith("/unregister"):
+    def _shared_memory(self, request: HttpRequest) -> Answer:
+        match = _SHARED_MEMORY_ROUTE.match(request.path)
+        if match is None:
+            raise _HttpError(404, f"no route for {request.path}")
+        region, action = match["region"] or "", match["action"]
+        _expect(request.method, "GET" if action == "status" else "POST")
+        memory = self.shared_memory
+        if match["kind"] == "cuda":
+            # None registered: status lists none and unregistering is done (client scripts
+            # unregister CUDA regions before they start); registering is refused.
+            if action == "status":
+                if region:
+                    raise RegionNotFoundError(
+                        f"Unable to find cuda shared memory region: '{region}'"
+                    )
+                return _json([])
+            if action == "unregister":
+                return 200, _JSON, [b"{}"]
+            raise UnsupportedError(CUDA_UNSUPPORTED)
+        if action == "status":
+            return _json(memory.status(region))
+        if action == "unregister":
+            memory.unregister(region)
             return 200, _JSON, [b"{}"]
-        raise InvalidRequestError("shared memory is not supported: send tensors in the body")
+        document = self._json_body(request)
+        if "key" not in document:
+            raise InvalidRequestError("Shared memory register request has no 'key' field")
+        if "byte_size" not in document:
+            raise InvalidRequestError("Shared memory register request has no 'byte_size' field")
+        memory.register(region, document["key"], document.get("offset", 0), document["byte_size"])
+        return 200, _JSON, [b"{}"]
 
     async def _model(self, match: re.Match[str], request: HttpRequest) -> Answer:
         name, action = match["model"], match["action"]
@@ -162,11 +203,8 @@ class HttpApi:
         size = len(request.body) * (32 if compressed else 1)
         wire = await off_loop(size, self._decoded_request, name, version, request)
         traceparent = headers.get(b"traceparent")
-        response = await self.server.infer(
-            wire.model_name,
-            wire.inputs,
-            options=wire.options,
-            traceparent=traceparent.decode("latin-1") if traceparent else None,
+        response = await self._wire.infer(
+            wire, traceparent.decode("latin-1") if traceparent else None
         )
         size = sum(int(a.nbytes) for a in response.outputs.values())
         return await off_loop(size, self._encoded_response, response, wire, headers)

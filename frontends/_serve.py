@@ -15,8 +15,10 @@ line takes its defaults from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import ipaddress
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +39,7 @@ from ._control import (
 from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE, serve_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, serve_http_api
 from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 
 _log = logging.getLogger("orchestrion")
 
@@ -71,6 +74,11 @@ class ServeOptions:
     http_header_timeout: float = DEFAULT_HEADER_TIMEOUT
     http_body_timeout: float = DEFAULT_BODY_TIMEOUT
     grpc_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    allow_client_shm: bool | None = None
+    """Whether clients may use system shared memory (Triton's ``--allow-client-shm``);
+    None: when the HTTP and gRPC front ends listen on loopback addresses only."""
+    max_shm_regions: int = DEFAULT_MAX_REGIONS
+    """How many shared memory regions may be registered at once."""
 
 
 @attrs.frozen(kw_only=True)
@@ -120,21 +128,29 @@ async def serve(
         # false, the HTTP and gRPC front ends stop accepting, polling ends. Leaving the
         # nursery then waits (each front end at most exit_timeout) for requests in flight;
         # the models close after it.
-        async with ungrouped(trio.open_nursery()) as front_ends:
-            with shutdown.on_request(control.stop_accepting):
-                http = await _start_http(front_ends, server, control, version, options, shutdown)
-                grpc = await _start_grpc(front_ends, server, control, version, options, shutdown)
-                metrics = server.metrics_url
-                task_status.started(
-                    Endpoints(
-                        http=http,
-                        grpc=grpc,
-                        metrics=metrics.removeprefix("http://").removesuffix("/metrics")
-                        if metrics
-                        else None,
+        memory = SharedMemory(_shm_allowed(options), options.max_shm_regions)
+        with contextlib.closing(memory):
+            async with ungrouped(trio.open_nursery()) as front_ends:
+                with shutdown.on_request(control.stop_accepting):
+                    http = await _start_http(
+                        front_ends, server, control, version, options, shutdown, memory
                     )
-                )
-                await _run_until_stopped(control, mode, options.poll_interval, baseline, shutdown)
+                    grpc = await _start_grpc(
+                        front_ends, server, control, version, options, shutdown, memory
+                    )
+                    metrics = server.metrics_url
+                    task_status.started(
+                        Endpoints(
+                            http=http,
+                            grpc=grpc,
+                            metrics=metrics.removeprefix("http://").removesuffix("/metrics")
+                            if metrics
+                            else None,
+                        )
+                    )
+                    await _run_until_stopped(
+                        control, mode, options.poll_interval, baseline, shutdown
+                    )
 
 
 def _checked_mode(options: ServeOptions) -> ModelControlMode:
@@ -151,6 +167,8 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
             f"--model-control-mode must be none, explicit or poll, not "
             f"'{options.model_control_mode}'"
         ) from None
+    if options.max_shm_regions < 0:
+        raise ConfigError(f"--max-shm-regions must be >= 0, not {options.max_shm_regions}")
     if options.load_models and mode is not ModelControlMode.EXPLICIT:
         raise ConfigError("--load-model needs --model-control-mode=explicit")
     if options.exit_timeout < 0 or options.poll_interval <= 0:
@@ -186,11 +204,12 @@ async def _start_http(
     version: str,
     options: ServeOptions,
     shutdown: Shutdown,
+    memory: SharedMemory,
 ) -> str | None:
     """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
     if options.http_port is None:
         return None
-    api = HttpApi(server, control, version, options.http_max_input_size)
+    api = HttpApi(server, control, version, options.http_max_input_size, memory)
     address: str = await front_ends.start(
         functools.partial(
             serve_http_api,
@@ -214,6 +233,7 @@ async def _start_grpc(
     version: str,
     options: ServeOptions,
     shutdown: Shutdown,
+    memory: SharedMemory,
 ) -> str | None:
     """Start the gRPC front end in ``front_ends``; where it listens (None: disabled)."""
     if options.grpc_port is None:
@@ -229,6 +249,7 @@ async def _start_grpc(
             shutdown=shutdown,
             exit_timeout=options.exit_timeout,
             max_message_size=options.grpc_max_message_size,
+            shared_memory=memory,
         )
     )
     return address
@@ -248,6 +269,32 @@ async def _run_until_stopped(
             await control.poll(poll_interval, baseline)
         else:
             await trio.sleep_forever()
+
+
+def _shm_allowed(options: ServeOptions) -> bool:
+    """``--allow-client-shm``, or when not given: whether every front end that runs listens
+    on a loopback address only (shared memory is the same machine's; a client that reaches
+    a public address must not get to read and write the server's shared memory objects)."""
+    if options.allow_client_shm is not None:
+        return options.allow_client_shm
+    hosts = [
+        address
+        for address, port in (
+            (options.http_address, options.http_port),
+            (options.grpc_address, options.grpc_port),
+        )
+        if port is not None
+    ]
+    return all(_is_loopback(host) for host in hosts)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _version() -> str:

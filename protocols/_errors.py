@@ -57,6 +57,19 @@ class ModelNotFoundError(InvalidRequestError, LookupError):
     """
 
 
+class RegionNotFoundError(InvalidRequestError, LookupError):
+    """A request names a shared memory region that is not registered (HTTP 404, NOT_FOUND).
+
+    The caller's fault.
+    """
+
+
+class UnsupportedError(OrchestrionError):
+    """The server does not offer what the request asks for: an extension turned off or one
+    this machine cannot give (HTTP 501, gRPC UNIMPLEMENTED).
+    """
+
+
 class InferenceError(OrchestrionError, RuntimeError):
     """Running a model or an ensemble failed.
 

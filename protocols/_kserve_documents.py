@@ -23,6 +23,7 @@ PROTOCOL_VERSION = "2"
 """The KServe v2 protocol; Triton reports its own release as the server version."""
 
 EXTENSIONS = (
+    "classification",
     "binary_tensor_data",
     "parameters",
     "statistics",
@@ -31,6 +32,7 @@ EXTENSIONS = (
     "model_repository(unload_dependents)",
     "schedule_policy",
     "sequence",
+    "system_shared_memory",
 )
 """The server metadata's ``extensions`` (perf_analyzer reads ``statistics`` from here)."""
 

@@ -10,7 +10,7 @@ messages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,15 @@ from ._kserve_documents import (
     repository_index,
     server_metadata,
 )
-from ._kserve_requests import WireRequest, parse_version, request_parameters
+from ._kserve_requests import (
+    SharedInput,
+    SharedMemoryRef,
+    WireRequest,
+    classification_count,
+    parse_version,
+    request_parameters,
+    shared_memory_ref,
+)
 from ._kserve_tensors import (
     data_type,
     element_count,
@@ -89,44 +97,85 @@ def decode_grpc_request(message: Any) -> WireRequest:
     parameters = {key: parameter_value(value) for key, value in message.parameters.items()}
     fields, flags = request_parameters(parameters)  # binary_data_output is HTTP's: ignored
     raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
-        raise InvalidRequestError(
-            f"expected {len(message.inputs)} raw_input_contents (one per input), got {len(raw)}"
-        )
+    used = 0  # raw_input_contents are taken in order by the inputs that have no other data
     inputs: dict[str, np.ndarray[Any, Any]] = {}
-    for index, tensor in enumerate(message.inputs):
+    shared_inputs: dict[str, SharedInput] = {}
+    for tensor in message.inputs:
         name = tensor.name
-        if name in inputs:
+        if name in inputs or name in shared_inputs:
             raise InvalidRequestError(f"input '{name}' is given twice")
         dtype = data_type(tensor.datatype, name)
         shape = list(tensor.shape)
-        if any(key.startswith("shared_memory") for key in tensor.parameters):
-            raise InvalidRequestError(f"input '{name}': shared memory is not supported")
-        if raw:
-            if tensor.HasField("contents"):
+        where = shared_memory_ref(_parameters(tensor.parameters), name)
+        contents = tensor.HasField("contents")
+        if where is not None:
+            if contents:
                 raise InvalidRequestError(
-                    f"input '{name}': contents and raw_input_contents cannot both be used"
+                    f"unexpected 'content' provided when using shared memory for input tensor "
+                    f"'{name}' for model '{message.model_name}'"
                 )
-            inputs[name] = tensor_from_bytes(raw[index], dtype, shape, name)
-        else:
-            inputs[name] = _from_contents(tensor, dtype, shape)
-    outputs = tuple(output.name for output in message.outputs) or None
-    for output in message.outputs:
-        if "classification" in output.parameters:
+            element_count(shape, name)
+            shared_inputs[name] = SharedInput(where, dtype, tuple(shape))
+        elif contents and raw:
             raise InvalidRequestError(
-                f"output '{output.name}': the classification extension is not supported"
+                f"contents field must not be specified when using raw_input_contents for "
+                f"'{name}' for model '{message.model_name}'"
             )
+        elif contents or (used == len(raw) and element_count(shape, name) == 0):
+            inputs[name] = _from_contents(tensor, dtype, shape)
+        elif used < len(raw):
+            inputs[name] = tensor_from_bytes(raw[used], dtype, shape, name)
+            used += 1
+        else:
+            raise InvalidRequestError(
+                f"unable to find data for input tensor '{name}' for model "
+                f"'{message.model_name}' in request."
+            )
+    if used != len(raw):
+        raise InvalidRequestError(
+            f"{len(raw)} raw_input_contents for the {used} inputs that take theirs from "
+            "raw_input_contents (one each, in order)"
+        )
+    names: list[str] = []
+    shared_outputs: dict[str, SharedMemoryRef] = {}
+    classifications: dict[str, int] = {}
+    seen: set[str] = set()
+    for output in message.outputs:
+        name = output.name
+        if name in seen:
+            raise InvalidRequestError(f"output '{name}' already exists in request")
+        seen.add(name)
+        parameters = _parameters(output.parameters)
+        count = classification_count(parameters, name)
+        where = shared_memory_ref(parameters, name)
+        if where is not None:
+            if "classification" in parameters:
+                raise InvalidRequestError(
+                    f"output '{name}': output can't set both 'shared_memory_region' and "
+                    "'classification'"
+                )
+            shared_outputs[name] = where
+        elif count:
+            classifications[name] = count
+        names.append(name)
     return WireRequest(
         model_name=message.model_name,
         inputs=inputs,
         options=RequestOptions(
             model_version=parse_version(message.model_version),
-            outputs=outputs,
+            outputs=tuple(names) or None,
             request_id=message.id,
             **fields,
         ),
         empty_final_response=flags.get("empty_final_response", False),
+        shared_inputs=shared_inputs,
+        shared_outputs=shared_outputs,
+        classifications=classifications,
     )
+
+
+def _parameters(parameters: Mapping[str, Any]) -> dict[str, ParameterValue]:
+    return {key: parameter_value(value) for key, value in parameters.items()}
 
 
 def _from_contents(tensor: Any, dtype: DataType, shape: list[int]) -> np.ndarray[Any, Any]:
@@ -149,8 +198,11 @@ def _from_contents(tensor: Any, dtype: DataType, shape: list[int]) -> np.ndarray
     return numeric_array(values, dtype, shape, tensor.name)
 
 
-def _described(response: InferResponse, final: bool | None) -> tuple[Any, list[Any]]:
-    """A ``ModelInferResponse`` of everything but the raw contents, and the raw contents."""
+def _described(
+    response: InferResponse, final: bool | None, shared: Collection[str]
+) -> tuple[Any, list[Any]]:
+    """A ``ModelInferResponse`` of everything but the raw contents, and the raw contents
+    (empty for the outputs in ``shared``, written into shared memory, as Triton's)."""
     message = service_pb2.ModelInferResponse(
         model_name=response.model_name,
         model_version=str(response.model_version),
@@ -166,26 +218,29 @@ def _described(response: InferResponse, final: bool | None) -> tuple[Any, list[A
         output.name = name
         output.datatype = DataType.from_numpy(array.dtype).value
         output.shape.extend(array.shape)
-        raws.append(tensor_to_bytes(array))
+        raws.append(b"" if name in shared else tensor_to_bytes(array))
     return message, raws
 
 
-def encode_grpc_response(response: InferResponse, *, final: bool | None = None) -> Any:
+def encode_grpc_response(
+    response: InferResponse, *, final: bool | None = None, shared: Collection[str] = ()
+) -> Any:
     """A ``ModelInferResponse`` with every output in ``raw_output_contents``.
 
-    ``final`` sets the ``triton_final_response`` parameter (streams).
+    ``final`` sets the ``triton_final_response`` parameter (streams); the outputs named in
+    ``shared`` went into shared memory and have empty contents.
     """
-    message, raws = _described(response, final)
+    message, raws = _described(response, final, shared)
     message.raw_output_contents.extend(bytes(raw) for raw in raws)
     return message
 
 
-def serialized_grpc_response(response: InferResponse) -> bytes:
+def serialized_grpc_response(response: InferResponse, shared: Collection[str] = ()) -> bytes:
     """`encode_grpc_response`'s message, serialized: the same bytes a client parses, made
     with one copy of the tensors. protobuf's own serializer (upb) takes ~10 ns a byte of a
     large ``bytes`` field (2.8 s for 256 MiB, holding the GIL), so the raw contents are
     written here as what they are on the wire: field 6, length-delimited, after the rest."""
-    message, raws = _described(response, None)
+    message, raws = _described(response, None, shared)
     parts = [message.SerializeToString()]
     for raw in raws:
         parts += [_RAW_OUTPUT_TAG, _varint(len(raw)), raw]

@@ -19,7 +19,16 @@ import numpy as np
 
 from ._dtypes import DataType
 from ._errors import InvalidRequestError
-from ._kserve_requests import WireRequest, flag, parse_version, request_parameters
+from ._kserve_requests import (
+    SharedInput,
+    SharedMemoryRef,
+    WireRequest,
+    classification_count,
+    flag,
+    parse_version,
+    request_parameters,
+    shared_memory_ref,
+)
 from ._kserve_status import error_message
 from ._kserve_tensors import (
     data_type,
@@ -70,8 +79,10 @@ def decode_http_request(
     inputs_field = document.get("inputs")
     if not isinstance(inputs_field, list):
         raise InvalidRequestError("the request JSON needs an 'inputs' array")
-    inputs = _decode_inputs(inputs_field, binary)
-    outputs, binary_outputs = _requested_outputs(document.get("outputs"))
+    inputs, shared_inputs = _decode_inputs(inputs_field, binary)
+    outputs, binary_outputs, shared_outputs, classifications = _requested_outputs(
+        document.get("outputs")
+    )
     return WireRequest(
         model_name=model_name,
         inputs=inputs,
@@ -79,15 +90,22 @@ def decode_http_request(
             model_version=parse_version(version), outputs=outputs, request_id=request_id, **fields
         ),
         binary_outputs=binary_outputs,
+        shared_inputs=shared_inputs,
+        shared_outputs=shared_outputs,
+        classifications=classifications,
         **flags,
     )
 
 
-def _decode_inputs(inputs_field: list[Any], binary: memoryview) -> dict[str, np.ndarray[Any, Any]]:
-    """The request's ``inputs``, each from its JSON ``data`` or from its ``binary_data_size``
-    bytes of ``binary`` (the body after the JSON header, taken in order and used up exactly).
+def _decode_inputs(
+    inputs_field: list[Any], binary: memoryview
+) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, SharedInput]]:
+    """The request's ``inputs``, each from its JSON ``data``, from its ``binary_data_size``
+    bytes of ``binary`` (the body after the JSON header, taken in order and used up exactly),
+    or, set apart, from shared memory.
     """
     inputs: dict[str, np.ndarray[Any, Any]] = {}
+    shared: dict[str, SharedInput] = {}
     offset = 0
     for item in inputs_field:
         if not isinstance(item, dict):
@@ -95,19 +113,20 @@ def _decode_inputs(inputs_field: list[Any], binary: memoryview) -> dict[str, np.
         name = item.get("name")
         if not isinstance(name, str):
             raise InvalidRequestError("an input has no 'name' string")
-        if name in inputs:
+        if name in inputs or name in shared:
             raise InvalidRequestError(f"input '{name}' is given twice")
         dtype = data_type(item.get("datatype"), name)
         shape = item.get("shape")
         if not isinstance(shape, list):
             raise InvalidRequestError(f"input '{name}' has no 'shape' array")
-        size = _object(item, "parameters", where=f"input '{name}'").get("binary_data_size")
-        if size is not None:
-            if "data" in item:
-                raise InvalidRequestError(
-                    f"input '{name}' has both 'data' and binary data (binary_data_size): "
-                    "send its values one way"
-                )
+        parameters = _object(item, "parameters", where=f"input '{name}'")
+        _one_source(name, item, parameters)
+        size = parameters.get("binary_data_size")
+        where = shared_memory_ref(parameters, name)
+        if where is not None:
+            element_count(shape, name)
+            shared[name] = SharedInput(where, dtype, tuple(shape))
+        elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidRequestError(
                     f"input '{name}': binary_data_size must be a non-negative integer"
@@ -119,15 +138,34 @@ def _decode_inputs(inputs_field: list[Any], binary: memoryview) -> dict[str, np.
                 )
             inputs[name] = tensor_from_bytes(binary[offset : offset + size], dtype, shape, name)
             offset += size
-        elif "data" in item:
-            inputs[name] = _json_tensor(item["data"], dtype, shape, name)
         else:
-            raise InvalidRequestError(f"input '{name}' has neither 'data' nor binary data")
+            inputs[name] = _json_tensor(item["data"], dtype, shape, name)
     if offset != len(binary):
         raise InvalidRequestError(
             f"{len(binary) - offset} bytes of binary data follow the tensors the header names"
         )
-    return inputs
+    return inputs, shared
+
+
+def _one_source(name: str, item: Mapping[str, Any], parameters: Mapping[str, Any]) -> None:
+    """Refuses an input that gives its values in none or several of the three ways, in
+    Triton's words."""
+    given = [
+        label
+        for label, present in (
+            ("'data'", "data" in item),
+            ("'binary_data_size'", "binary_data_size" in parameters),
+            ("'shared_memory_region'", "shared_memory_region" in parameters),
+        )
+        if present
+    ]
+    if len(given) != 1:
+        found = "no field is set" if not given else "set " + " ".join(given)
+        raise InvalidRequestError(
+            f"input '{name}': Input must set only one of the following fields: 'data', "
+            "'binary_data_size' in 'parameters', 'shared_memory_region' in 'parameters'. "
+            f"But {found}"
+        )
 
 
 def _object(document: Mapping[str, Any], key: str, *, where: str = "request") -> dict[str, Any]:
@@ -141,28 +179,46 @@ def _object(document: Mapping[str, Any], key: str, *, where: str = "request") ->
 
 def _requested_outputs(
     field: object,
-) -> tuple[tuple[str, ...] | None, dict[str, bool]]:
+) -> tuple[tuple[str, ...] | None, dict[str, bool], dict[str, SharedMemoryRef], dict[str, int]]:
+    """The requested outputs' names, and per output: binary_data, shared memory, and
+    classification."""
     if field is None:
-        return None, {}
+        return None, {}, {}, {}
     if not isinstance(field, list):
         raise InvalidRequestError("'outputs' must be an array")
     names: list[str] = []
     binary: dict[str, bool] = {}
+    shared: dict[str, SharedMemoryRef] = {}
+    classes: dict[str, int] = {}
+    seen: set[str] = set()
     for item in field:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidRequestError("each requested output needs a 'name' string")
         name = item["name"]
+        if name in seen:
+            raise InvalidRequestError(f"output '{name}' already exists in request")
+        seen.add(name)
         parameters = _object(item, "parameters", where=f"output '{name}'")
-        if "classification" in parameters:
-            raise InvalidRequestError(
-                f"output '{name}': the classification extension is not supported"
-            )
-        if any(key.startswith("shared_memory") for key in parameters):
-            raise InvalidRequestError(f"output '{name}': shared memory is not supported")
         if "binary_data" in parameters:
             binary[name] = flag("binary_data", parameters["binary_data"], f"output '{name}'")
+        count = classification_count(parameters, name)
+        where = shared_memory_ref(parameters, name)
+        if where is not None:
+            if "classification" in parameters:
+                raise InvalidRequestError(
+                    f"output '{name}': Output can't set both 'shared_memory_region' and "
+                    "'classification'"
+                )
+            if binary.get(name):
+                raise InvalidRequestError(
+                    f"output '{name}': Output can't set both 'shared_memory_region' and "
+                    "'binary_data'"
+                )
+            shared[name] = where
+        elif count:
+            classes[name] = count
         names.append(name)
-    return tuple(names), binary
+    return tuple(names), binary, shared, classes
 
 
 def _json_tensor(
@@ -242,7 +298,9 @@ def encode_http_response(
             "datatype": dtype.value,
             "shape": list(array.shape),
         }
-        if request.binary_outputs.get(name, request.binary_default):
+        if name in request.shared_outputs:
+            pass  # written into the client's region: the entry only describes it
+        elif request.binary_outputs.get(name, request.binary_default):
             raw = tensor_to_bytes(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)

@@ -17,6 +17,7 @@ from typing import Any, TypeGuard
 import attrs
 import numpy as np
 
+from ._dtypes import DataType
 from ._errors import InvalidRequestError
 from ._messages import ParameterValue
 from ._requests import RequestOptions
@@ -42,6 +43,26 @@ _RESERVED = frozenset(
 """Parameter names with a meaning to the server: not forwarded to models as custom ones."""
 
 
+@attrs.frozen
+class SharedMemoryRef:
+    """Where a tensor lies in a registered system shared memory region: Triton's
+    ``shared_memory_region``, ``shared_memory_byte_size`` and ``shared_memory_offset``
+    parameters of an input or a requested output (the offset is into the registered part)."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+@attrs.frozen
+class SharedInput:
+    """An input whose bytes lie in shared memory, read by the front end before the model runs."""
+
+    where: SharedMemoryRef
+    datatype: DataType
+    shape: tuple[int, ...]
+
+
 @attrs.frozen(kw_only=True)
 class WireRequest:
     """An inference request as a front end received it: the model, its inputs, the
@@ -58,6 +79,12 @@ class WireRequest:
     """``binary_data_output``: outputs not named in ``binary_outputs`` go as binary (HTTP)."""
     empty_final_response: bool = False
     """``triton_enable_empty_final_response`` (gRPC streams)."""
+    shared_inputs: Mapping[str, SharedInput] = attrs.field(factory=dict)
+    """Inputs to read from shared memory (not in ``inputs`` until the front end reads them)."""
+    shared_outputs: Mapping[str, SharedMemoryRef] = attrs.field(factory=dict)
+    """Outputs to write into shared memory instead of the response."""
+    classifications: Mapping[str, int] = attrs.field(factory=dict)
+    """Outputs asked for as their top classes (``classification``: how many)."""
 
 
 def parse_version(text: str) -> int:
@@ -112,9 +139,7 @@ def request_parameters(
                 )
             options["timeout"] = value / 1e6 if value > 0 else None
         elif key in _RESERVED:
-            if key.startswith("shared_memory"):
-                raise InvalidRequestError(f"{where}: shared memory is not supported")
-            continue
+            continue  # shared memory and classification are a tensor's, not the request's
         elif (
             isinstance(value, int)
             and not isinstance(value, bool)
@@ -142,6 +167,66 @@ _INT_RANGE = (-(2**63), _UINT64_MAX)
 
 def _unsigned(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX
+
+
+def shared_memory_ref(parameters: Mapping[str, object], tensor: str) -> SharedMemoryRef | None:
+    """A tensor's shared memory parameters, read as Triton reads them (None: not in shared
+    memory).
+
+    Raises:
+        InvalidRequestError: an offset or size without a region, a region without a size,
+            or a value of the wrong kind.
+    """
+    region = parameters.get("shared_memory_region")
+    offset = parameters.get("shared_memory_offset", 0)
+    size = parameters.get("shared_memory_byte_size")
+    if region is None:
+        for key in ("shared_memory_offset", "shared_memory_byte_size"):
+            if key in parameters:
+                raise InvalidRequestError(
+                    f"'{key}' can not be specified without 'shared_memory_region' parameter "
+                    f"for tensor '{tensor}'"
+                )
+        return None
+    if not isinstance(region, str):
+        raise InvalidRequestError(
+            f"invalid value type for 'shared_memory_region' parameter for tensor '{tensor}', "
+            "expected a string"
+        )
+    if size is None:
+        raise InvalidRequestError(
+            "'shared_memory_byte_size' must be specified along with 'shared_memory_region' "
+            f"parameter for tensor '{tensor}'"
+        )
+    return SharedMemoryRef(
+        region,
+        _size_parameter("shared_memory_byte_size", size, tensor),
+        _size_parameter("shared_memory_offset", offset, tensor),
+    )
+
+
+def _size_parameter(key: str, value: object, tensor: str) -> int:
+    if not _unsigned(value):
+        raise InvalidRequestError(
+            f"invalid value for '{key}' parameter for tensor '{tensor}', expected an unsigned "
+            "64-bit integer"
+        )
+    return value
+
+
+def classification_count(parameters: Mapping[str, object], output: str) -> int:
+    """How many top classes a requested output asks for (``classification``; 0: none).
+
+    Raises:
+        InvalidRequestError: not a positive integer.
+    """
+    value = parameters.get("classification", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(
+            f"output '{output}': invalid value for 'classification' parameter, expected an "
+            "integer >= 0"
+        )
+    return min(value, _UINT64_MAX)
 
 
 def flag(key: str, value: object, where: str) -> bool:

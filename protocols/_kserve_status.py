@@ -18,15 +18,19 @@ from ._errors import (
     ModelNotFoundError,
     OrchestrionError,
     QueueFullError,
+    RegionNotFoundError,
     ServerClosedError,
+    UnsupportedError,
 )
 
 
 def http_status(error: BaseException) -> int:
     """Triton's HTTP status for an error: 404 unknown model, 400 bad request, 503 busy or
-    closing, 500 the pipeline failed."""
-    if isinstance(error, ModelNotFoundError):
+    closing, 500 the pipeline failed, 501 not offered."""
+    if isinstance(error, ModelNotFoundError | RegionNotFoundError):
         return 404
+    if isinstance(error, UnsupportedError):
+        return 501
     if isinstance(error, InvalidRequestError | ConfigError | ModelLoadError):
         return 400
     if isinstance(
@@ -43,6 +47,7 @@ def grpc_status(error: BaseException) -> str:
         400: "INVALID_ARGUMENT",
         503: "UNAVAILABLE",
         500: "INTERNAL",
+        501: "UNIMPLEMENTED",
     }[http_status(error)]
 
 

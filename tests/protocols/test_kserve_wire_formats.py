@@ -207,11 +207,85 @@ def test_http_json_and_binary_inputs_decode() -> None:
             "given twice",
         ),
         ({"inputs": [], "parameters": {"priority": -1}}, b"", "priority must be"),
-        ({"inputs": [], "parameters": {"shared_memory_region": "r"}}, b"", "shared memory"),
         (
-            {"inputs": [], "outputs": [{"name": "Y", "parameters": {"classification": 3}}]},
+            {
+                "inputs": [
+                    {
+                        "name": "A",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "data": [1],
+                        "parameters": {"shared_memory_region": "r"},
+                    }
+                ]
+            },
             b"",
-            "classification",
+            "Input must set only one of the following fields.*But set 'data' "
+            "'shared_memory_region'",
+        ),
+        (
+            {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1]}]},
+            b"",
+            "But no field is set",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "A",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "parameters": {"shared_memory_region": "r"},
+                    }
+                ]
+            },
+            b"",
+            "'shared_memory_byte_size' must be specified along with 'shared_memory_region'",
+        ),
+        (
+            {"inputs": [], "outputs": [{"name": "Y", "parameters": {"shared_memory_offset": 4}}]},
+            b"",
+            "'shared_memory_offset' can not be specified without 'shared_memory_region'",
+        ),
+        (
+            {
+                "inputs": [],
+                "outputs": [
+                    {
+                        "name": "Y",
+                        "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": -1},
+                    }
+                ],
+            },
+            b"",
+            "invalid value for 'shared_memory_byte_size'",
+        ),
+        (
+            {
+                "inputs": [],
+                "outputs": [
+                    {
+                        "name": "Y",
+                        "parameters": {
+                            "shared_memory_region": "r",
+                            "shared_memory_byte_size": 8,
+                            "binary_data": True,
+                        },
+                    }
+                ],
+            },
+            b"",
+            "Output can't set both 'shared_memory_region' and 'binary_data'",
+        ),
+        (
+            {"inputs": [], "outputs": [{"name": "Y", "parameters": {"classification": -3}}]},
+            b"",
+            "invalid value for 'classification'",
+        ),
+        (
+            {"inputs": [], "outputs": [{"name": "Y"}, {"name": "Y"}]},
+            b"",
+            "output 'Y' already exists in request",
         ),
     ],
 )
@@ -269,7 +343,7 @@ def test_grpc_request_and_response_messages() -> None:
     both = service_pb2.ModelInferRequest()
     both.CopyFrom(message)
     both.raw_input_contents.append(b"\x00" * 16)
-    with pytest.raises(InvalidRequestError, match="cannot both be used"):
+    with pytest.raises(InvalidRequestError, match="contents field must not be specified when"):
         decode_grpc_request(both)
     request = decode_grpc_request(message)
     assert request.inputs["A"].tolist() == [1, -2]
@@ -277,9 +351,13 @@ def test_grpc_request_and_response_messages() -> None:
     assert (options.model_version, options.sequence_id, options.sequence_end) == (2, "abc", True)
     assert options.parameters == {"flavour": 0.5}
     fp16 = service_pb2.ModelInferRequest(model_name="m")
-    fp16.inputs.add(name="H", datatype="FP16", shape=[1])
+    fp16.inputs.add(name="H", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)
     with pytest.raises(InvalidRequestError, match="only be sent in raw_input_contents"):
         decode_grpc_request(fp16)
+    missing = service_pb2.ModelInferRequest(model_name="m")
+    missing.inputs.add(name="H", datatype="FP16", shape=[1])
+    with pytest.raises(InvalidRequestError, match="unable to find data for input tensor 'H'"):
+        decode_grpc_request(missing)
     response = encode_grpc_response(
         InferResponse(model_name="m", model_version=2, outputs={"Y": np.array([1, 2], np.int16)}),
         final=True,

@@ -1,0 +1,76 @@
+"""One decoded request (`WireRequest`) through the server, with what the wire adds around the
+model: inputs read from shared memory before it runs, outputs classified or written into
+shared memory after. The HTTP and gRPC front ends (streams too) run every request here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .._server import AsyncServer
+from ..protocols import InferResponse, RequestOptions
+from ..protocols._classification import classified
+from ..protocols._kserve_requests import WireRequest
+from ._offload import off_loop
+from ._shared_memory import Lease, SharedMemory
+
+
+@attrs.define(eq=False)
+class WireInfer:
+    """Runs wire requests on one server, with its shared memory regions."""
+
+    server: AsyncServer
+    shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
+
+    async def infer(self, wire: WireRequest, traceparent: str | None = None) -> InferResponse:
+        """The one response to ``wire`` (shared memory outputs written, classes made).
+
+        Raises:
+            OrchestrionError: as `AsyncServer.infer`, or a shared memory or classification
+                problem (named).
+        """
+        with self.shared_memory.lease(wire) as lease:
+            inputs = await _inputs(wire, lease)
+            response = await self.server.infer(
+                wire.model_name, inputs, options=wire.options, traceparent=traceparent
+            )
+            return await self._finished(wire, lease, response)
+
+    async def stream(
+        self, wire: WireRequest, options: RequestOptions
+    ) -> AsyncGenerator[InferResponse, None]:
+        """The responses of a decoupled model to ``wire``, each finished as `infer`'s (a
+        shared memory output holds the latest)."""
+        with self.shared_memory.lease(wire) as lease:
+            inputs = await _inputs(wire, lease)
+            responses = self.server.stream_infer(wire.model_name, inputs, options=options)
+            async with contextlib.aclosing(responses) as each:
+                async for response in each:
+                    yield await self._finished(wire, lease, response)
+
+    async def _finished(
+        self, wire: WireRequest, lease: Lease | None, response: InferResponse
+    ) -> InferResponse:
+        if wire.classifications:
+            config = self.server.model_config(response.model_name, response.model_version)
+            response = classified(
+                response,
+                wire.classifications,
+                self.server.output_labels(response.model_name, response.model_version),
+                batched=config.max_batch_size > 0,
+            )
+        if lease is not None:
+            await off_loop(lease.size, lease.write_outputs, response.outputs)
+        return response
+
+
+async def _inputs(wire: WireRequest, lease: Lease | None) -> dict[str, np.ndarray[Any, Any]]:
+    if lease is None:
+        return wire.inputs
+    shared = await off_loop(lease.size, lease.read_inputs)
+    return {**wire.inputs, **shared}

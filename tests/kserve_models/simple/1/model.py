@@ -1,0 +1,2 @@
+def execute(INPUT0, INPUT1):
+    return {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
