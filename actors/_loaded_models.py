@@ -106,15 +106,15 @@ class LoadedModels:
         if not versions:
             if self.closing:
                 raise ServerClosedError("the server is shutting down")
-            # Which other models are loaded is not the caller's business (a network client's).
-            raise ModelNotFoundError(f"unknown model '{name}': no model of that name is loaded")
+            # Triton's words (clients match them); which other models are loaded is not the
+            # caller's business (a network client's).
+            raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
         if version <= 0:
             return versions[max(versions)]
         runner = versions.get(version)
         if runner is None:
             raise ModelNotFoundError(
-                f"model '{name}' has no version {version} loaded "
-                f"(loaded versions: {', '.join(map(str, sorted(versions)))})"
+                f"Request for unknown model: '{name}' version {version} is not found"
             )
         return runner
 

@@ -29,6 +29,7 @@ from ..protocols import (
     RegionNotFoundError,
     UnsupportedError,
 )
+from ..protocols._config import ModelConfig
 from ..protocols._kserve_documents import (
     model_config_json,
     model_metadata,
@@ -39,8 +40,10 @@ from ..protocols._kserve_documents import (
 from ..protocols._kserve_http import (
     HEADER_LENGTH,
     decode_http_request,
+    decode_raw_request,
     encode_http_response,
     error_body,
+    load_json_object,
 )
 from ..protocols._kserve_requests import WireRequest, parse_version
 from ..protocols._kserve_status import error_message, http_status
@@ -128,7 +131,7 @@ class HttpApi:
             return await self._repository(request)
         route = path.rstrip("/")
         if route.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
-            return self._shared_memory(request)
+            return await self._shared_memory(request)
         if route == "/v2/health/live":
             _expect(method, "GET")
             return 200, [], []
@@ -140,7 +143,7 @@ class HttpApi:
             return _json(server_metadata(self.version))
         raise _HttpError(404, f"no route for {path}")
 
-    def _shared_memory(self, request: HttpRequest) -> Answer:
+    async def _shared_memory(self, request: HttpRequest) -> Answer:
         match = _SHARED_MEMORY_ROUTE.match(request.path)
         if match is None:
             raise _HttpError(404, f"no route for {request.path}")
@@ -164,7 +167,7 @@ class HttpApi:
         if action == "unregister":
             memory.unregister(region)
             return 200, _JSON, [b"{}"]
-        document = self._json_body(request)
+        document = await self._json_body(request)
         if "key" not in document:
             raise InvalidRequestError("Shared memory register request has no 'key' field")
         if "byte_size" not in document:
@@ -191,7 +194,7 @@ class HttpApi:
         return _json(model_metadata(config, versions if version < 1 else [version]))
 
     async def _infer(self, name: str, version: str, request: HttpRequest) -> Answer:
-        self.server.model_config(name, parse_version(version))  # 404 before decoding the body
+        config = self.server.model_config(name, parse_version(version))  # 404 before the body
         if self.server.is_decoupled(name):
             raise InvalidRequestError(
                 f"model '{name}' is decoupled (zero or many responses per request): HTTP infer "
@@ -201,7 +204,7 @@ class HttpApi:
         # A compressed body inflates to up to --http-max-input-size: count it larger.
         compressed = headers.get(b"content-encoding", b"identity").lower() != b"identity"
         size = len(request.body) * (32 if compressed else 1)
-        wire = await off_loop(size, self._decoded_request, name, version, request)
+        wire = await off_loop(size, self._decoded_request, config, version, request)
         traceparent = headers.get(b"traceparent")
         response = await self._wire.infer(
             wire, traceparent.decode("latin-1") if traceparent else None
@@ -209,8 +212,11 @@ class HttpApi:
         size = sum(int(a.nbytes) for a in response.outputs.values())
         return await off_loop(size, self._encoded_response, response, wire, headers)
 
-    def _decoded_request(self, name: str, version: str, request: HttpRequest) -> WireRequest:
-        """The request in the body (inflated, its header length checked): CPU work."""
+    def _decoded_request(
+        self, config: ModelConfig, version: str, request: HttpRequest
+    ) -> WireRequest:
+        """The request in the body (inflated, its header length checked; a header length of
+        0 makes it Triton's raw binary request): CPU work."""
         headers = request.headers
         body = self._decoded_body(request)
         length = headers.get(HEADER_LENGTH.encode())
@@ -226,7 +232,9 @@ class HttpApi:
                     f"{len(body)} bytes"
                 )
             header_length = int(length)
-        return decode_http_request(name, version, body, header_length)
+            if header_length == 0:
+                return decode_raw_request(config, version, body)
+        return decode_http_request(config.name, version, body, header_length)
 
     @staticmethod
     def _encoded_response(
@@ -244,12 +252,12 @@ class HttpApi:
 
     async def _repository(self, request: HttpRequest) -> Answer:
         _expect(request.method, "POST")
-        document = self._json_body(request)
+        document = await self._json_body(request)
         path = request.path
         if path.rstrip("/") == "/v2/repository/index":
             ready = document.get("ready", False)
             if not isinstance(ready, bool):
-                raise InvalidRequestError("'ready' must be a boolean")
+                raise InvalidRequestError("Invalid value for 'ready': expected a boolean")
             loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
             return _json(repository_index(loaded, self.control.available(), ready_only=ready))
         match = _REPOSITORY_ROUTE.match(path)
@@ -296,17 +304,9 @@ class HttpApi:
             )
         return data
 
-    def _json_body(self, request: HttpRequest) -> dict[str, Any]:
+    async def _json_body(self, request: HttpRequest) -> dict[str, Any]:
         body = self._decoded_body(request)
-        if not body:
-            return {}
-        try:
-            document = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise InvalidRequestError(f"failed to parse the request JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise InvalidRequestError("the request JSON must be an object")
-        return document
+        return await off_loop(len(body), load_json_object, body) if body else {}
 
 
 def _expect(method: str, allowed: str) -> None:

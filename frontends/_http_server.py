@@ -439,9 +439,9 @@ class HttpServer:
         )
 
     def _too_large(self, size: int) -> str:
-        return (
-            f"request body of {size} bytes exceeds the maximum input size of "
-            f"{self.max_body} bytes (--http-max-input-size)"
+        return (  # Triton's words: clients match on them
+            f"request JSON size of {size} bytes exceeds the maximum allowed input size of "
+            f"{self.max_body} bytes. Use --http-max-input-size to increase the limit."
         )
 
     async def _handle(

@@ -57,6 +57,14 @@ class ModelNotFoundError(InvalidRequestError, LookupError):
     """
 
 
+class JsonFieldError(InvalidRequestError):
+    """A request's JSON field of the wrong kind, said in Triton's words and answered as Triton
+    answers its JSON reader's errors: HTTP 500 (clients match on both).
+
+    The caller's fault all the same.
+    """
+
+
 class RegionNotFoundError(InvalidRequestError, LookupError):
     """A request names a shared memory region that is not registered (HTTP 404, NOT_FOUND).
 

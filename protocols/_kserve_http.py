@@ -11,14 +11,17 @@ outputs are written block by block so that the GIL is released between blocks.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 
+from ._config import ModelConfig
 from ._dtypes import DataType
-from ._errors import InvalidRequestError
+from ._errors import InvalidRequestError, JsonFieldError
 from ._kserve_requests import (
     SharedInput,
     SharedMemoryRef,
@@ -42,6 +45,10 @@ from ._requests import RequestOptions
 
 HEADER_LENGTH = "inference-header-content-length"
 """Triton's binary tensor extension: the length of the JSON header before the tensors."""
+
+MAX_JSON_DEPTH = 100
+"""How deeply a tensor's JSON ``data`` may nest (Triton's limit)."""
+NESTING = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
 
 _JSON_NUMBERS = frozenset(
     {DataType.BF16, DataType.FP16}
@@ -67,7 +74,9 @@ def decode_http_request(
         )
     try:
         document = json.loads(bytes(view[:header_length]))
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise InvalidRequestError(f"failed to parse the request JSON: {NESTING}") from None
+    except ValueError as exc:
         raise InvalidRequestError(f"failed to parse the request JSON: {exc}") from None
     if not isinstance(document, dict):
         raise InvalidRequestError("the request JSON must be an object")
@@ -97,6 +106,56 @@ def decode_http_request(
     )
 
 
+def decode_raw_request(config: ModelConfig, version: str, body: bytes | memoryview) -> WireRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is the
+    one input's bytes, its shape deduced from the config (one variable dim at most; a BYTES
+    input must be one element); every output comes back as binary data.
+
+    Raises:
+        InvalidRequestError: the model has several inputs, a shape cannot be deduced, or the
+            body does not fit the shape (Triton's words).
+    """
+    if len(config.input) != 1:
+        raise InvalidRequestError(
+            f"Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(config.input)} inputs in '{config.name}' model configuration"
+        )
+    spec = config.input[0]
+    shape = [1] if config.max_batch_size > 0 else []
+    variable: int | None = None
+    count = 1
+    for dim in spec.dims:
+        if dim < 0:
+            if variable is not None:
+                raise InvalidRequestError(
+                    f"The shape of the raw input '{spec.name}' can not be deduced because "
+                    "there are more than one variable-sized dimension"
+                )
+            variable = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    if spec.data_type is DataType.BYTES:
+        if variable is not None or count != 1:
+            raise InvalidRequestError(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
+            )
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+        tensor = array.reshape(tuple(shape))
+    else:
+        if variable is not None:
+            unit = count * spec.data_type.numpy_dtype.itemsize
+            shape[variable] = len(body) // unit if unit else 0
+        tensor = tensor_from_bytes(body, spec.data_type, shape, spec.name)
+    return WireRequest(
+        model_name=config.name,
+        inputs={spec.name: tensor},
+        options=RequestOptions(model_version=parse_version(version)),
+        binary_default=True,
+    )
+
+
 def _decode_inputs(
     inputs_field: list[Any], binary: memoryview
 ) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, SharedInput]]:
@@ -119,12 +178,17 @@ def _decode_inputs(
         shape = item.get("shape")
         if not isinstance(shape, list):
             raise InvalidRequestError(f"input '{name}' has no 'shape' array")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise JsonFieldError(
+                f"input '{name}': Unable to parse 'shape': attempt to access JSON "
+                "non-unsigned-integer as unsigned-integer"
+            )
+        element_count(shape, name, 0 if dtype is DataType.BYTES else dtype.numpy_dtype.itemsize)
         parameters = _object(item, "parameters", where=f"input '{name}'")
         _one_source(name, item, parameters)
         size = parameters.get("binary_data_size")
         where = shared_memory_ref(parameters, name)
         if where is not None:
-            element_count(shape, name)
             shared[name] = SharedInput(where, dtype, tuple(shape))
         elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -269,6 +333,8 @@ def _flatten(data: object, name: str) -> list[Any]:
     while stack:
         for item in stack[-1]:
             if isinstance(item, list):
+                if len(stack) >= MAX_JSON_DEPTH:
+                    raise InvalidRequestError(f"input '{name}': {NESTING}")
                 stack.append(iter(item))
                 break
             flat.append(item)
@@ -361,6 +427,85 @@ def _json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[
             ) from None
     data: list[Any] = array.reshape(-1).tolist()  # NaN and infinity as JSON's NaN/Infinity
     return data
+
+
+@attrs.frozen
+class Nested:
+    """A member of a JSON object too deeply nested to parse (`load_json_object`): an array or
+    object, unread."""
+
+    kind: str
+
+
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_SCALAR = re.compile(rb'\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)\s*')
+_SPACE = re.compile(rb"\s*")
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    """A request's JSON object (control endpoints). One too deeply nested for Python's parser
+    is read member by member instead: scalars parsed, arrays and objects kept as `Nested`,
+    so a check on a member's type answers as for any other document.
+
+    Raises:
+        InvalidRequestError: not JSON, or not an object.
+    """
+    try:
+        document = json.loads(body)
+    except RecursionError:
+        document = _shallow_object(body)
+    except ValueError as exc:
+        raise InvalidRequestError(f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidRequestError("the request JSON must be an object")
+    return document
+
+
+def _shallow_object(body: bytes) -> dict[str, Any]:
+    """The top-level members of a JSON object, nested values skipped (iteratively)."""
+    malformed = InvalidRequestError("failed to parse the request JSON: malformed document")
+    at = _SPACE.match(body).end()  # type: ignore[union-attr]
+    if body[at : at + 1] != b"{":
+        raise InvalidRequestError("the request JSON must be an object")
+    members: dict[str, Any] = {}
+    at += 1
+    while True:
+        key = _SCALAR.match(body, at)
+        if key is None or not key.group(1).startswith(b'"'):
+            raise malformed
+        at = key.end()
+        if body[at : at + 1] != b":":
+            raise malformed
+        at = _SPACE.match(body, at + 1).end()  # type: ignore[union-attr]
+        opening = body[at : at + 1]
+        if opening in (b"[", b"{"):
+            depth = 0
+            for token in _TOKEN.finditer(body, at):
+                mark = token.group()
+                if mark in (b"[", b"{"):
+                    depth += 1
+                elif mark in (b"]", b"}"):
+                    depth -= 1
+                if depth == 0:
+                    at = token.end()
+                    break
+            else:
+                raise malformed
+            value: Any = Nested("array" if opening == b"[" else "object")
+        else:
+            scalar = _SCALAR.match(body, at)
+            if scalar is None:
+                raise malformed
+            value = json.loads(scalar.group(1))
+            at = scalar.end()
+        members[json.loads(key.group(1))] = value
+        at = _SPACE.match(body, at).end()  # type: ignore[union-attr]
+        separator = body[at : at + 1]
+        at += 1
+        if separator == b"}":
+            return members
+        if separator != b",":
+            raise malformed
 
 
 def error_body(error: BaseException) -> bytes:

@@ -13,6 +13,7 @@ from ._errors import (
     ConfigError,
     InferenceTimeoutError,
     InvalidRequestError,
+    JsonFieldError,
     ModelControlError,
     ModelLoadError,
     ModelNotFoundError,
@@ -31,6 +32,8 @@ def http_status(error: BaseException) -> int:
         return 404
     if isinstance(error, UnsupportedError):
         return 501
+    if isinstance(error, JsonFieldError):
+        return 500
     if isinstance(error, InvalidRequestError | ConfigError | ModelLoadError):
         return 400
     if isinstance(

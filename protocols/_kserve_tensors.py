@@ -10,6 +10,7 @@ from bytes are read-only views of the message, not copies.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,36 +40,53 @@ def data_type(name: object, tensor: str) -> DataType:
         ) from None
 
 
-def element_count(shape: Sequence[object], tensor: str) -> int:
-    """Elements in a tensor of ``shape``, checking every dim.
+def element_count(shape: Sequence[object], tensor: str, itemsize: int = 0) -> int:
+    """Elements in a tensor of ``shape``, checking every dim (and, given the data type's
+    ``itemsize``, that its byte size fits in 64 bits, as Triton checks).
 
     Raises:
-        InvalidRequestError: a dim that is not a non-negative integer, too many dims, or a
-            dim too large for an array (even an empty one).
+        InvalidRequestError: a dim that is not a non-negative integer, too many dims, a
+            count or byte size past 64 bits (Triton's words), or a dim too large for an
+            array (even an empty one).
     """
     if len(shape) > MAX_DIMS:
         raise InvalidRequestError(
             f"invalid shape for tensor '{tensor}': {len(shape)} dims (at most {MAX_DIMS})"
         )
-    count = span = 1
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise InvalidRequestError(
                 f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': dims must be "
                 "non-negative integers"
             )
+    dims: Sequence[int] = shape  # type: ignore[assignment]  # checked just above
+    count = math.prod(dims)
+    if count > _INT64_MAX:
+        raise InvalidRequestError(
+            f"invalid shape for input '{tensor}': shape {list(dims)!s:.80} causes total element "
+            f"count to exceed maximum size of {_INT64_MAX}"
+        )
+    if itemsize > 1 and count * itemsize > _INT64_MAX:
+        raise InvalidRequestError(
+            f"byte size overflow for input '{tensor}': element count ({count}) * data type size "
+            f"({itemsize}) exceeds maximum allowed size ({_INT64_MAX})"
+        )
+    span = 1
+    for dim in dims:
         if dim > MAX_DIM:
             raise InvalidRequestError(
-                f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': dim {dim} is too large"
+                f"invalid shape {list(dims)!s:.80} for tensor '{tensor}': dim {dim} is too large"
             )
-        count *= dim
         span *= max(dim, 1)
     if span > MAX_DIM:  # numpy refuses such a shape even with a zero dim ("too big")
         raise InvalidRequestError(
-            f"invalid shape {list(shape)!s:.80} for tensor '{tensor}': too large (the non-zero "
+            f"invalid shape {list(dims)!s:.80} for tensor '{tensor}': too large (the non-zero "
             f"dims multiply to more than {MAX_DIM})"
         )
     return count
+
+
+_INT64_MAX = 2**63 - 1
 
 
 def tensor_from_bytes(

@@ -79,14 +79,14 @@ async def _still_serving(server: orchestrion.AsyncServer) -> None:
             {"X": GOOD},
             {},
             orchestrion.ModelNotFoundError,
-            r"unknown model 'nope': no model of that name is loaded$",
+            r"^Request for unknown model: 'nope' is not found$",
         ),
         (
             "batched",
             {"X": GOOD},
             {"model_version": 7},
             orchestrion.ModelNotFoundError,
-            r"no version 7 loaded \(loaded versions: 1\)",
+            r"^Request for unknown model: '[a-z_]+' version 7 is not found$",
         ),
         ("batched", {}, {}, orchestrion.InvalidRequestError, "missing required input 'X'"),
         (

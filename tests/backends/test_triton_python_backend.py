@@ -345,7 +345,9 @@ async def test_a_failed_bls_call_is_the_responses_error() -> None:
     model then raises it, as Triton's example does): the client's error carries it."""
     async with _repository("bls", "add_sub") as server:
         name = np.array([b"nowhere"], dtype=object)
-        with pytest.raises(InferenceError, match="unknown model 'nowhere'"):
+        with pytest.raises(
+            InferenceError, match="Request for unknown model: 'nowhere' is not found"
+        ):
             await server.infer("bls", {"MODEL_NAME": name, "INPUT0": A, "INPUT1": B})
 
 

@@ -387,10 +387,10 @@ async def test_a_declared_body_over_the_limit_is_413_before_it_is_sent(
         grown = await chunked.reply()
         await chunked.aclose()
     assert too_long.status == 413
-    assert "101 bytes exceeds the maximum input size of 100" in too_long.error()
+    assert "101 bytes exceeds the maximum allowed input size of 100" in too_long.error()
     assert "--http-max-input-size" in too_long.error()
     assert grown.status == 413
-    assert "bytes exceeds the maximum input size of 100" in grown.error()
+    assert "bytes exceeds the maximum allowed input size of 100" in grown.error()
     assert s.handler.requests == []
 
 

@@ -207,7 +207,7 @@ def test_errors_carry_triton_status_and_message(http: Any, grpc: Any, protocol: 
     with pytest.raises(InferenceServerException) as unknown:
         client.infer("no_such_model", [item])
     assert status(unknown.value) in ("404", "StatusCode.NOT_FOUND")
-    assert "unknown model 'no_such_model'" in unknown.value.message()
+    assert "Request for unknown model: 'no_such_model' is not found" in unknown.value.message()
 
     wrong = module.InferInput("INPUT", [1, 15], "FP32")
     wrong.set_data_from_numpy(np.ones((1, 15), np.float32))
@@ -348,7 +348,7 @@ def test_stream_errors_arrive_per_request_and_the_stream_goes_on(grpc: Any) -> N
     errors = sorted(str(e) for _, e in answers if e is not None)
     assert len(errors) == 2
     assert any("negative input" in e for e in errors)
-    assert any("unknown model 'no_such_model'" in e for e in errors)
+    assert any("Request for unknown model: 'no_such_model' is not found" in e for e in errors)
     results = [r for r, e in answers if e is None]
     assert [r.as_numpy("Y").tolist() for r in results] == [[2.0]]
     assert results[0].get_response().parameters["triton_final_response"].bool_param

@@ -19,9 +19,11 @@ from orchestrion.protocols import (
     InferenceError,
     InferResponse,
     InvalidRequestError,
+    ModelConfig,
     ModelControlError,
     ModelNotFoundError,
     QueueFullError,
+    TensorConfig,
     parse_model_config,
 )
 from orchestrion.protocols._kserve_documents import model_config_json, model_metadata
@@ -30,9 +32,19 @@ from orchestrion.protocols._kserve_grpc import (
     encode_grpc_response,
     serialized_grpc_response,
 )
-from orchestrion.protocols._kserve_http import decode_http_request, encode_http_response
+from orchestrion.protocols._kserve_http import (
+    Nested,
+    decode_http_request,
+    decode_raw_request,
+    encode_http_response,
+    load_json_object,
+)
 from orchestrion.protocols._kserve_status import grpc_status, http_status
-from orchestrion.protocols._kserve_tensors import tensor_from_bytes, tensor_to_bytes
+from orchestrion.protocols._kserve_tensors import (
+    element_count,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 
 NUMERIC = [t for t in DataType if t is not DataType.BYTES]
 
@@ -428,3 +440,62 @@ def test_serialized_response_parses_as_the_message(
     )
     parsed = service_pb2.ModelInferResponse.FromString(serialized_grpc_response(response))
     assert parsed == encode_grpc_response(response)
+
+
+def _one_input(dtype: DataType, dims: tuple[int, ...], batch: int) -> ModelConfig:
+    return ModelConfig(
+        name="m",
+        max_batch_size=batch,
+        input=(TensorConfig(name="IN", data_type=dtype, dims=dims),),
+        output=(TensorConfig(name="OUT", data_type=dtype, dims=dims),),
+    )
+
+
+def test_a_raw_binary_request_deduces_its_shape_from_the_config() -> None:
+    """A batching model gets [1, ...]; one variable dim takes what the body leaves; a BYTES
+    input of one element is the whole body; every output is asked as binary data."""
+    fixed = decode_raw_request(_one_input(DataType.INT16, (2, -1), 8), "3", b"\x01\x00" * 6)
+    assert fixed.inputs["IN"].shape == (1, 2, 3)
+    assert (fixed.options.model_version, fixed.binary_default) == (3, True)
+    word = decode_raw_request(_one_input(DataType.BYTES, (1,), 0), "", b"\xff\x00")
+    assert word.inputs["IN"].tolist() == [b"\xff\x00"]
+    with pytest.raises(InvalidRequestError, match="the model must have input shape \\[1\\]"):
+        decode_raw_request(_one_input(DataType.BYTES, (-1,), 0), "", b"ab")
+    with pytest.raises(InvalidRequestError, match="unexpected total byte size 5"):
+        decode_raw_request(_one_input(DataType.INT16, (-1,), 0), "", b"\x00" * 5)
+    empty = decode_raw_request(_one_input(DataType.FP32, (0, -1), 0), "", b"")
+    assert empty.inputs["IN"].shape == (0, 0)
+
+
+def test_control_documents_too_deep_for_python_are_read_member_by_member() -> None:
+    """Scalars parsed, containers kept as Nested (never parsed), strings with brackets in
+    them skipped right; what is not an object, or is malformed, is refused."""
+    deep = b"[" * 5000 + b"1" + b"]" * 5000
+    document = load_json_object(
+        b'{"ready": ' + deep + b', "a": "x]}", "b": {"c": ' + deep + b"}, " + b'"n": -2.5e1}'
+    )
+    assert document == {"ready": Nested("array"), "a": "x]}", "b": Nested("object"), "n": -25.0}
+    for bad in (deep, b'{"a": ' + deep, b'{"a" ' + deep + b"}", b'{"a": ' + deep + b" x}"):
+        with pytest.raises(InvalidRequestError):
+            load_json_object(bad)
+
+
+@pytest.mark.parametrize(
+    ("shape", "itemsize", "words"),
+    [
+        (
+            [16, 2**60 + 2],
+            4,
+            "causes total element count to exceed maximum size of 9223372036854775807",
+        ),
+        ([4, 2**60 + 2], 4, "element count \\(4611686018427387912\\) \\* data type size \\(4\\)"),
+        ([2**41], 1, "dim 2199023255552 is too large"),
+        ([0, 2**41], 4, "is too large"),
+    ],
+)
+def test_shapes_past_64_bits_are_refused_in_tritons_words(
+    shape: list[int], itemsize: int, words: str
+) -> None:
+    """Counts and byte sizes past int64 in Triton's words; past numpy's reach in ours."""
+    with pytest.raises(InvalidRequestError, match=words):
+        element_count(shape, "X", itemsize)

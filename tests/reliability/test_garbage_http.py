@@ -1,5 +1,6 @@
 """Hypothesis throws malformed HTTP requests at `orchestrion serve`: each gets a 4xx with
-Triton's JSON error body (never a 500 or a dropped connection), and the server keeps serving."""
+Triton's JSON error body (never a dropped connection, and a 500 only where Triton answers one),
+and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ def _check(status: int, body: bytes) -> None:
     if status == 500 and b"did not produce the requested outputs" in body:
         return  # the identity models echo only the inputs given: asking for another output
         # is a valid request the model cannot answer (its failure, so 500, as in Triton)
+    if status == 500 and b"Unable to parse 'shape'" in body:
+        return  # a dim that is no unsigned integer: Triton's JSON reader error, 500 there too
     assert status in ALLOWED, (status, body[:300])
     if status != 200:
         assert "error" in json.loads(body), body[:300]
@@ -127,7 +130,8 @@ def test_malformed_infer_requests_get_4xx(
         "Malformed KServe infer documents over HTTP (shapes up to 2**63, wrong types, "
         "wrong binary_data_size, bad header lengths)",
         "requests",
-        "each a 200 or a JSON 4xx naming the problem; never a 500 or a dropped connection",
+        "each a 200 or a JSON 4xx naming the problem; never a dropped connection, and a 500 "
+        "only where Triton answers one (a dim that is not an unsigned integer)",
     )
 
 

@@ -1,0 +1,5 @@
+JIT = False
+
+
+def execute(INPUT0):
+    return {"OUTPUT0": INPUT0}
