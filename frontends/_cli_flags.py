@@ -22,6 +22,7 @@ from rich.console import Console
 from ..protocols import ConfigError, parse_cache_config
 from ._control import ModelControlMode
 from ._http_server import MAX_DEFAULT_CONNECTIONS
+from ._restricted import CATEGORIES
 from ._serve import LOOPBACK, ServeOptions
 
 
@@ -230,6 +231,22 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         "outputs through them (a client can then read and write any shared memory object "
         "this user can open; default: only when HTTP and gRPC listen on loopback addresses)",
     )
+    network.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="APIS:HEADER=VALUE",
+        help="answer the HTTP endpoint groups APIS (comma-separated: "
+        f"{', '.join(CATEGORIES)}) only to requests whose HEADER is VALUE; repeatable",
+    )
+    network.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="PROTOCOLS:KEY=VALUE",
+        help="answer the gRPC method groups PROTOCOLS only to calls whose metadata "
+        "triton-grpc-protocol-KEY is VALUE; repeatable",
+    )
     max_regions = _default("max_shm_regions")
     network.add_argument(
         "--max-shm-regions",
@@ -316,6 +333,8 @@ def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         grpc_max_message_size=args.grpc_max_message_size,
         allow_client_shm=args.allow_client_shm,
         max_shm_regions=args.max_shm_regions,
+        http_restricted_apis=tuple(args.http_restricted_api),
+        grpc_restricted_protocols=tuple(args.grpc_restricted_protocol),
     )
 
 

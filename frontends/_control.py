@@ -133,8 +133,8 @@ class ModelControl:
     def _check_allowed(self, what: str) -> None:
         if self.mode is not ModelControlMode.EXPLICIT:
             raise ModelControlError(
-                f"explicit model {what} is not allowed in model control mode '{self.mode}' "
-                "(start the server with --model-control-mode=explicit)"
+                f"explicit model load / unload is not allowed in model control mode "
+                f"'{self.mode}' (start the server with --model-control-mode=explicit)"
             )
 
     async def load(self, name: str, parameters: Mapping[str, object] | None = None) -> None:

@@ -51,6 +51,7 @@ from ..protocols._kserve_status import error_message, grpc_status
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
 from ._offload import off_loop
+from ._restricted import GRPC_METHODS, Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
 from ._wire_infer import WireInfer
 
@@ -82,6 +83,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     version: str
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
     """The registered shared memory regions (`serve` shares one with the HTTP front end)."""
+    restrictions: Restrictions = attrs.field(factory=Restrictions)
+    """Method groups that need a metadata header (``--grpc-restricted-protocol``)."""
     _streams: OpenStreams = attrs.field(factory=lambda: OpenStreams(), init=False)
     _wire: WireInfer = attrs.field(init=False)
 
@@ -324,6 +327,7 @@ async def serve_grpc_api(
     exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     shared_memory: SharedMemory | None = None,
+    restrictions: Restrictions | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
@@ -334,7 +338,8 @@ async def serve_grpc_api(
     in flight are cut off). Requesting ``shutdown`` stops it gracefully, then it returns: no
     new RPCs, open streams refuse what they read next, RPCs in flight get up to
     ``exit_timeout`` seconds. ``shared_memory``: the registered regions, shared with the
-    HTTP front end (its own when None).
+    HTTP front end (its own when None); ``restrictions``: method groups that need a header
+    (``--grpc-restricted-protocol``).
 
     Raises:
         ConfigError: the address cannot be bound (before it reports).
@@ -345,7 +350,12 @@ async def serve_grpc_api(
     async with ungrouped(trio.open_nursery()) as nursery:
         bridge = TrioBridge(trio.lowlevel.current_trio_token(), nursery)
         service = InferenceService(
-            server, control, bridge, version, shared_memory or SharedMemory()
+            server,
+            control,
+            bridge,
+            version,
+            shared_memory or SharedMemory(),
+            restrictions or Restrictions(),
         )
         loop_thread = _LoopThread(service, address, max_message_size)
         try:
@@ -379,14 +389,50 @@ def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+def _guarded(
+    behaviour: Callable[..., Any], category: str, restrictions: Restrictions
+) -> Callable[..., Awaitable[Any]]:
+    """A unary method that refuses requests protobuf could not decode (INVALID_ARGUMENT)
+    and, when its category is restricted, those without the header (UNAVAILABLE)."""
+
     async def unary(request: Any, context: Any) -> Any:
+        refusal = restrictions.refusal(category, _metadata_of(context))
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         result = behaviour(request, context)
         return await result if inspect.isawaitable(result) else result
 
     return unary
+
+
+def _guarded_stream(
+    behaviour: Callable[..., AsyncIterator[Any]], category: str, restrictions: Restrictions
+) -> Callable[..., AsyncIterator[Any]]:
+    """A streaming method that, when its category is restricted, ends a stream opened
+    without the header (UNAVAILABLE) before reading from it."""
+    if category not in restrictions.rules:
+        return behaviour
+
+    async def stream(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        refusal = restrictions.refusal(category, _metadata_of(context))
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        async for response in behaviour(request_iterator, context):
+            yield response
+
+    return stream
+
+
+def _metadata_of(context: Any) -> Callable[[str], str | None]:
+    def header(name: str) -> str | None:
+        for key, value in context.invocation_metadata() or ():
+            if key == name:
+                return str(value)
+        return None
+
+    return header
 
 
 def _serializer(message_type: Any) -> Callable[[Any], bytes]:
@@ -412,11 +458,14 @@ def _handlers(service: InferenceService) -> grpc.GenericRpcHandler:
             "request_deserializer": _lenient(request_type.FromString),
             "response_serializer": _serializer(response_type),
         }
+        category = GRPC_METHODS.get(method.name, "")
         if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **coding)
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _guarded_stream(behaviour, category, service.restrictions), **coding
+            )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _refusing_undecodable(behaviour), **coding
+                _guarded(behaviour, category, service.restrictions), **coding
             )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 

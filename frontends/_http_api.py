@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -58,6 +59,7 @@ from ._http_server import (
     default_max_connections,
 )
 from ._offload import off_loop
+from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
 from ._wire_infer import WireInfer
 
@@ -99,6 +101,8 @@ class HttpApi:
     max_input_size: int = DEFAULT_MAX_INPUT_SIZE
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
     """The registered shared memory regions (`serve` shares one with the gRPC front end)."""
+    restrictions: Restrictions = attrs.field(factory=Restrictions)
+    """Endpoint groups that need a header (``--http-restricted-api``)."""
     _wire: WireInfer = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -106,6 +110,9 @@ class HttpApi:
 
     async def handle(self, request: HttpRequest) -> Answer:
         """Answer one request; every error becomes Triton's JSON error body."""
+        refusal = self.restrictions.refusal(_category(request.path), _header_of(request))
+        if refusal is not None:
+            return 403, _JSON, [json.dumps({"error": refusal}).encode()]
         try:
             return await self._route(request)
         except _HttpError as exc:
@@ -307,6 +314,39 @@ class HttpApi:
     async def _json_body(self, request: HttpRequest) -> dict[str, Any]:
         body = self._decoded_body(request)
         return await off_loop(len(body), load_json_object, body) if body else {}
+
+
+def _category(path: str) -> str:
+    """The restricted-API category of a request path (`orchestrion.frontends._restricted`)."""
+    route = path.rstrip("/")
+    if route.startswith("/v2/health"):
+        return "health"
+    if route.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+        return "shared-memory"
+    if route.startswith("/v2/repository"):
+        return "model-repository"
+    if route.startswith("/v2/trace"):
+        return "trace"
+    if route.startswith("/v2/logging"):
+        return "logging"
+    if route == "/v2/models/stats":
+        return "statistics"
+    match = _MODEL_ROUTE.match(path)
+    action = match["action"] if match is not None else None
+    return {
+        "infer": "inference",
+        "ready": "health",
+        "config": "model-config",
+        "stats": "statistics",
+    }.get(action or "", "metadata")
+
+
+def _header_of(request: HttpRequest) -> Callable[[str], str | None]:
+    def header(name: str) -> str | None:
+        value = request.headers.get(name.encode("latin-1"))
+        return value.decode("latin-1") if value is not None else None
+
+    return header
 
 
 def _expect(method: str, allowed: str) -> None:

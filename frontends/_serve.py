@@ -39,6 +39,7 @@ from ._control import (
 from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE, serve_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, serve_http_api
 from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 
 _log = logging.getLogger("orchestrion")
@@ -79,6 +80,10 @@ class ServeOptions:
     None: when the HTTP and gRPC front ends listen on loopback addresses only."""
     max_shm_regions: int = DEFAULT_MAX_REGIONS
     """How many shared memory regions may be registered at once."""
+    http_restricted_apis: Sequence[str] = ()
+    """Triton's ``--http-restricted-api`` values: ``<apis>:<header>=<value>``."""
+    grpc_restricted_protocols: Sequence[str] = ()
+    """Triton's ``--grpc-restricted-protocol`` values: ``<protocols>:<key>=<value>``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +115,12 @@ async def serve(
         CacheUnavailableError: the cache's backend cannot be reached.
     """
     mode = _checked_mode(options)
+    http_restrictions = Restrictions.parse(options.http_restricted_apis, flag="http-restricted-api")
+    grpc_restrictions = Restrictions.parse(
+        options.grpc_restricted_protocols,
+        flag="grpc-restricted-protocol",
+        prefix=GRPC_HEADER_PREFIX,
+    )
     version = version or _version()
     shutdown = shutdown or Shutdown()
     baseline: dict[str, object] = {}
@@ -133,10 +144,24 @@ async def serve(
             async with ungrouped(trio.open_nursery()) as front_ends:
                 with shutdown.on_request(control.stop_accepting):
                     http = await _start_http(
-                        front_ends, server, control, version, options, shutdown, memory
+                        front_ends,
+                        server,
+                        control,
+                        version,
+                        options,
+                        shutdown,
+                        memory,
+                        http_restrictions,
                     )
                     grpc = await _start_grpc(
-                        front_ends, server, control, version, options, shutdown, memory
+                        front_ends,
+                        server,
+                        control,
+                        version,
+                        options,
+                        shutdown,
+                        memory,
+                        grpc_restrictions,
                     )
                     metrics = server.metrics_url
                     task_status.started(
@@ -205,11 +230,12 @@ async def _start_http(
     options: ServeOptions,
     shutdown: Shutdown,
     memory: SharedMemory,
+    restrictions: Restrictions,
 ) -> str | None:
     """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
     if options.http_port is None:
         return None
-    api = HttpApi(server, control, version, options.http_max_input_size, memory)
+    api = HttpApi(server, control, version, options.http_max_input_size, memory, restrictions)
     address: str = await front_ends.start(
         functools.partial(
             serve_http_api,
@@ -234,6 +260,7 @@ async def _start_grpc(
     options: ServeOptions,
     shutdown: Shutdown,
     memory: SharedMemory,
+    restrictions: Restrictions,
 ) -> str | None:
     """Start the gRPC front end in ``front_ends``; where it listens (None: disabled)."""
     if options.grpc_port is None:
@@ -250,6 +277,7 @@ async def _start_grpc(
             exit_timeout=options.exit_timeout,
             max_message_size=options.grpc_max_message_size,
             shared_memory=memory,
+            restrictions=restrictions,
         )
     )
     return address
