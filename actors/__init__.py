@@ -6,5 +6,9 @@ from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import RepositoryEntry as RepositoryEntry
 from ._repository import load_model_code as load_model_code
+from ._repository import scan_model_folder as scan_model_folder
 from ._repository import scan_repository as scan_repository
+from ._repository_reader import find_model_folder as find_model_folder
+from ._repository_reader import load_code as load_code
+from ._repository_reader import scan_closure as scan_closure
 from ._runner import ModelRunner as ModelRunner

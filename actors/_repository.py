@@ -42,6 +42,8 @@ class RepositoryEntry:
     path: Path
     versions: tuple[int, ...]
     """The versions ``version_policy`` selects, ascending."""
+    config_source: str = ""
+    """Where the config came from, for error messages ("": the folder's ``config.pbtxt``)."""
 
     def model_file(self, version: int) -> Path:
         """The code file of ``version``."""
@@ -78,10 +80,20 @@ def _without_config(path: Path) -> ModelConfig | None:
     return None
 
 
-def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
-    """Read one model folder: its config and its version folders."""
+def scan_model_folder(
+    path: Path, override: ModelConfig | None = None, *, override_source: str = ""
+) -> tuple[RepositoryEntry | None, list[str]]:
+    """Read one model folder: its config and its version folders.
+
+    Args:
+        override: the config to use instead of the folder's ``config.pbtxt`` (a load
+            request's), named ``override_source`` in errors.
+    """
     config_path = path / CONFIG_FILE
-    if not config_path.is_file():
+    config_source = str(config_path)
+    if override is not None:
+        config, config_source = override, override_source
+    elif not config_path.is_file():
         found = _without_config(path)
         if found is None:
             return None, [
@@ -101,8 +113,8 @@ def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
         config = attrs.evolve(config, name=path.name)
     elif config.name != path.name:
         errors.append(
-            f"{config_path}: field name: '{config.name}' does not match the folder "
-            f"name '{path.name}'"
+            f"{config_source}: field name: '{config.name}' does not match the "
+            f"{'model' if override is not None else 'folder'} name '{path.name}'"
         )
     available = _version_folders(path)
     if not available:
@@ -110,16 +122,22 @@ def scan_model_folder(path: Path) -> tuple[RepositoryEntry | None, list[str]]:
     versions = select_versions(available, config.version_policy)
     if available and not versions:
         errors.append(
-            f"{config_path}: field version_policy: selects none of the versions present "
+            f"{config_source}: field version_policy: selects none of the versions present "
             f"({', '.join(map(str, available))})"
         )
     if config.version_policy is not None and config.version_policy.specific:
         absent = sorted(set(config.version_policy.specific) - set(available))
         if absent:  # Triton serves the others and logs the missing ones
             _log.warning(
-                "%s: field version_policy: versions %s have no folder", config_path, absent
+                "%s: field version_policy: versions %s have no folder", config_source, absent
             )
-    entry = RepositoryEntry(name=config.name, config=config, path=path, versions=versions)
+    entry = RepositoryEntry(
+        name=config.name,
+        config=config,
+        path=path,
+        versions=versions,
+        config_source="" if override is None else config_source,
+    )
     if not config.is_ensemble:
         for version in versions:
             code = entry.model_file(version)
@@ -199,7 +217,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         ConfigError: the file breaks the ``model.py`` contract.
     """
     config = entry.config
-    config_source = str(entry.path / CONFIG_FILE)
+    config_source = entry.config_source or str(entry.path / CONFIG_FILE)
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
     if config.is_ensemble:
@@ -229,7 +247,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         if errors:
             raise ConfigError(errors)
         return model
-    if not (entry.path / CONFIG_FILE).is_file():
+    if not entry.config_source and not (entry.path / CONFIG_FILE).is_file():
         raise ConfigError(
             f"{entry.path / CONFIG_FILE}: missing (only a model.py that defines "
             "TritonPythonModel can do without one)"

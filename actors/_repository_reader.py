@@ -40,31 +40,35 @@ async def read_repository(
 
 
 def scan_closure(
-    root: Path, names: list[str], loaded: Container[str]
+    root: Path | None,
+    names: list[str],
+    loaded: Container[str],
+    found: Sequence[RepositoryEntry] = (),
 ) -> tuple[list[RepositoryEntry], list[str]]:
     """The model folders ``names`` of ``root``, and those of the composing models their
-    ensembles use that are not in ``loaded``; and every problem found."""
-    entries: dict[str, RepositoryEntry] = {}
+    ensembles (and those of ``found``, folders read already) use that are not in
+    ``loaded``; and every problem found."""
+    entries: dict[str, RepositoryEntry] = {entry.name: entry for entry in found}
     errors: list[str] = []
     todo = list(names)
+    for entry in found:
+        if entry.config.ensemble_scheduling is not None:
+            todo.extend(s.model_name for s in entry.config.ensemble_scheduling.step)
+    todo = [name for name in todo if name not in loaded or name in names]
     while todo:
         name = todo.pop()
         if name in entries:
             continue
-        try:
-            folder = (root / name).resolve()
-            found = folder.parent == root.resolve() and folder.is_dir()
-        except OSError:  # a name the file system cannot hold (too long, say)
-            found = False
-        if not found:
-            errors.append(f"{root}: has no model folder {name!r:.80}")
+        folder = find_model_folder(root, name)
+        if folder is None:
+            errors.append(f"{root or 'the server'}: has no model folder {name!r:.80}")
             continue
-        entry, problems = scan_model_folder(folder)
+        scanned, problems = scan_model_folder(folder)
         errors.extend(problems)
-        if entry is None:
+        if scanned is None:
             continue
-        entries[name] = entry
-        sched = entry.config.ensemble_scheduling
+        entries[name] = scanned
+        sched = scanned.config.ensemble_scheduling
         if sched is not None:
             todo.extend(
                 s.model_name
@@ -72,6 +76,17 @@ def scan_closure(
                 if s.model_name not in loaded and s.model_name not in entries
             )
     return list(entries.values()), errors
+
+
+def find_model_folder(root: Path | None, name: str) -> Path | None:
+    """The folder of model ``name`` in ``root``, if there is one (never one outside it)."""
+    if root is None:
+        return None
+    try:
+        folder = (root / name).resolve()
+        return folder if folder.parent == root.resolve() and folder.is_dir() else None
+    except OSError:  # a name the file system cannot hold (too long, say)
+        return None
 
 
 def load_code(entries: Sequence[RepositoryEntry]) -> list[Model]:

@@ -293,6 +293,16 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
         help="/v2/health/ready is true only while every model is ready (default: "
         f"{str(_default('strict_readiness')).lower()})",
     )
+    upload = _default("model_upload_max_size")
+    models.add_argument(
+        "--model-upload-max-size",
+        type=int,
+        default=upload,
+        metavar="BYTES",
+        help="explicit mode: the most bytes the files of one load request (Triton's file: "
+        f"parameters) may hold, each file and all together (default: {_mib(upload)}; 0: "
+        "refuse files). Whoever reaches the port can then run code on this server",
+    )
     exit_timeout = _default("exit_timeout")
     models.add_argument(
         "--exit-timeout-secs",
@@ -335,6 +345,7 @@ def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         max_shm_regions=args.max_shm_regions,
         http_restricted_apis=tuple(args.http_restricted_api),
         grpc_restricted_protocols=tuple(args.grpc_restricted_protocol),
+        model_upload_max_size=args.model_upload_max_size,
     )
 
 

@@ -3,10 +3,13 @@ graceful stop (`Shutdown`).
 
 ``none``: the whole repository is loaded at start and the load/unload API is refused.
 ``explicit``: only ``--load-model`` names (``*`` for all) are loaded at start; the API loads and
-unloads. ``poll``: the whole repository at start, then every ``poll_interval`` seconds a
-changed model folder is reloaded, a new one loaded and a removed one unloaded; the API is
-refused. Readiness (``/v2/health/ready``) is false while the server stops, and, with strict
-readiness, while a model that should be loaded is not.
+unloads, a load possibly with Triton's ``config`` override and ``file:`` parameters (read by
+`orchestrion.frontends._load_plans`; the files go into folders of the server's own,
+`orchestrion.frontends._uploads`, removed with their model). ``poll``: the whole repository
+at start, then every ``poll_interval`` seconds a changed model folder is reloaded, a new one
+loaded and a removed one unloaded; the API is refused. Readiness (``/v2/health/ready``) is
+false while the server stops, and, with strict readiness, while a model that should be loaded
+is not.
 
 A `Shutdown` passed to `serve` and to the front ends stops them gracefully when requested: each
 stops taking new work at once, gives the work in flight its exit timeout, and returns.
@@ -25,6 +28,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer
+from ..actors import find_model_folder, load_code
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -32,6 +36,9 @@ from ..protocols import (
     ModelLoadError,
     OrchestrionError,
 )
+from ..protocols._model_load import LoadOverride
+from ._load_plans import LoadPlan, folder_fingerprint, plan_load, relative_paths
+from ._uploads import UploadFolders
 
 _log = logging.getLogger("orchestrion")
 
@@ -99,6 +106,15 @@ class Shutdown:
             self._actions.remove(action)
 
 
+@attrs.frozen(kw_only=True)
+class _Override:
+    """How a loaded model differs from its repository folder: its folder of uploaded files,
+    or (a config override alone) the fingerprint its repository folder had then."""
+
+    upload: Path | None
+    folder: object
+
+
 @attrs.define(eq=False)
 class ModelControl:
     """Loads, unloads and reports the models of a served repository."""
@@ -106,9 +122,15 @@ class ModelControl:
     server: AsyncServer
     mode: ModelControlMode = attrs.field(default=ModelControlMode.NONE, converter=_control_mode)
     strict_readiness: bool = True
+    uploads: UploadFolders = attrs.field(factory=UploadFolders)
+    """Where the files of load requests are written (and their limits)."""
     _expected: set[str] = attrs.field(factory=set, init=False)
     """Models that should be serving (for strict readiness)."""
     _accepting: bool = attrs.field(default=True, init=False)
+    _overrides: dict[str, _Override] = attrs.field(factory=dict, init=False)
+    """Loaded models that differ from their repository folder, by name."""
+    _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+    """One load or unload at a time, so that the folders held always match what is loaded."""
 
     def __attrs_post_init__(self) -> None:
         self._expected = set(self.server.model_names())
@@ -137,35 +159,86 @@ class ModelControl:
                 f"'{self.mode}' (start the server with --model-control-mode=explicit)"
             )
 
-    async def load(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
-        """Load (or reload) ``name`` from the repository, with the ensembles' composing models.
+    async def load(self, name: str, override: LoadOverride | None = None) -> None:
+        """Load (or reload) ``name``, with the composing models its ensembles need, as
+        Triton does: from the repository; with ``override.config`` in place of its
+        ``config.pbtxt``; or, with ``override.files`` too, from a folder of the server's
+        own holding those files (see the module docstring of ``_uploads``).
+
+        A plain load of a model loaded with a config override keeps that override while
+        the model's folder is unchanged (Triton's answer: nothing to reload); once the folder
+        changed, or after files, it reloads from the repository.
 
         Raises:
             ModelControlError: the mode is not ``explicit``.
-            InvalidRequestError: load parameters orchestrion does not support (a config
-                override or model files in the request).
-            ConfigError, ModelLoadError: the model cannot be loaded (nothing changes).
+            InvalidRequestError: the name is not a folder name.
+            LoadRequestError: no such model folder, or its config, the override or the files
+                are wrong or refused (Triton's "failed to load '<m>', failed to poll from
+                model repository"); nothing changes.
+            ModelLoadError: the model's code failed, or the set of models would be invalid
+                (Triton's "load failed for model '<m>'"); what was serving serves on.
         """
         self._check_allowed("load")
-        for key in parameters or {}:
-            if key == "config" or key.startswith("file:"):
-                raise InvalidRequestError(
-                    f"load parameter '{key}' (overriding a config or sending model files) is "
-                    "not supported: change the repository instead"
-                )
         _check_name(name)
+        request = override or LoadOverride()
+        async with self._lock:
+            if request.empty and await self._override_kept(name):
+                _log.info("model '%s' unchanged since its config override: kept", name)
+                return
+            plan = await plan_load(
+                name,
+                request,
+                root=self.server.model_repository,
+                loaded=set(self.server.model_names()),
+                uploads=self.uploads,
+            )
+            try:
+                await self._load_planned(name, plan)
+            except BaseException:
+                if plan.upload is not None:
+                    self.uploads.remove(plan.upload)  # small, and it must run if cancelled
+                raise
+            self._expected.add(name)
+            previous = self._overrides.pop(name, None)
+            if not request.empty:
+                self._overrides[name] = _Override(upload=plan.upload, folder=plan.fingerprint)
+            if previous is not None and previous.upload is not None:
+                await trio.to_thread.run_sync(self.uploads.remove, previous.upload)
+        _log.info("loaded model '%s'%s", name, "" if request.empty else " (load request override)")
+
+    async def _override_kept(self, name: str) -> bool:
+        """Whether ``name`` runs with a config override whose repository folder has not
+        changed since it was loaded (a plain load then changes nothing, as in Triton)."""
+        kept = self._overrides.get(name)
+        if kept is None or kept.upload is not None:
+            return False
+        root = self.server.model_repository
+
+        def fingerprint() -> object:
+            folder = find_model_folder(root, name)
+            return folder_fingerprint(folder) if folder is not None else None
+
+        return await trio.to_thread.run_sync(fingerprint) == kept.folder
+
+    async def _load_planned(self, name: str, plan: LoadPlan) -> None:
+        """Import the code `plan_load` found and load it (Triton's model load).
+
+        Raises:
+            ModelLoadError: "load failed for model '<name>'" and why.
+        """
         try:
-            await self.server.load_model(name)
+            models = await trio.to_thread.run_sync(load_code, plan.entries)
+            await self.server.load_model(models)
         except (ConfigError, ModelLoadError) as exc:
             # The operator gets the whole story in the log; the client, paths relative to
             # the repository (where the server's files live is none of its business).
             _log.warning("loading model '%s' failed: %s", name, exc)
-            raise _without_repository(exc, self.server.model_repository) from None
-        self._expected.add(name)
-        _log.info("loaded model '%s'", name)
+            shown = relative_paths(str(exc), self.server.model_repository, self.uploads.root)
+            raise ModelLoadError(f"load failed for model '{name}': {shown}") from None
 
     async def unload(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
-        """Unload ``name`` (``unload_dependents``: and the ensembles that use it).
+        """Unload ``name`` (``unload_dependents``: and the ensembles that use it); the
+        folders the server holds for their uploaded files are removed.
 
         Raises:
             ModelControlError: the mode is not ``explicit``.
@@ -176,9 +249,15 @@ class ModelControl:
         dependents = (parameters or {}).get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise InvalidRequestError("unload parameter 'unload_dependents' must be a boolean")
-        before = set(self.server.model_names())
-        await self.server.unload_model(name, unload_dependents=dependents)
-        self._expected -= before - set(self.server.model_names())
+        async with self._lock:
+            before = set(self.server.model_names())
+            await self.server.unload_model(name, unload_dependents=dependents)
+            gone = before - set(self.server.model_names())
+            self._expected -= gone
+            for model in sorted(gone):
+                held = self._overrides.pop(model, None)
+                if held is not None and held.upload is not None:
+                    await trio.to_thread.run_sync(self.uploads.remove, held.upload)
         _log.info("unloaded model '%s'", name)
 
     async def load_at_start(self, names: Sequence[str]) -> None:
@@ -242,17 +321,8 @@ def model_folders(root: Path) -> list[Path]:
 
 
 def repository_fingerprints(root: Path) -> dict[str, object]:
-    """Per model folder of ``root``: every file's path, size and modification time."""
-    return {
-        folder.name: tuple(
-            sorted(
-                (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-                for p in folder.rglob("*")
-                if p.is_file() and "__pycache__" not in p.parts
-            )
-        )
-        for folder in model_folders(root)
-    }
+    """Per model folder of ``root``: its `folder_fingerprint`."""
+    return {folder.name: folder_fingerprint(folder) for folder in model_folders(root)}
 
 
 NAME_MAX = 255
@@ -270,19 +340,3 @@ def _check_name(name: str) -> None:
             f"invalid model name {name!r:.80}...: longer than a folder name can be "
             f"({NAME_MAX} bytes)"
         )
-
-
-def _without_repository(error: ConfigError | ModelLoadError, root: Path | None) -> Exception:
-    """``error`` with the repository's own path taken out of its message."""
-    if root is None:
-        return error
-    prefixes = sorted({f"{root}/", f"{root.resolve()}/"}, key=len, reverse=True)
-
-    def relative(text: str) -> str:
-        for prefix in prefixes:
-            text = text.replace(prefix, "")
-        return text
-
-    if isinstance(error, ConfigError):
-        return ConfigError([relative(line) for line in error.errors])
-    return ModelLoadError(relative(str(error)))

@@ -48,6 +48,7 @@ from ..protocols._kserve_grpc import (
 )
 from ..protocols._kserve_requests import parse_version
 from ..protocols._kserve_status import error_message, grpc_status
+from ..protocols._model_load import load_override_from_grpc
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
 from ._offload import off_loop
@@ -175,10 +176,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         return await self._read(context, index)
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        """Load a model (explicit mode)."""
-        parameters = {k: parameter_value(v) for k, v in request.parameters.items()}
+        """Load a model (explicit mode), with Triton's ``config`` and ``file:`` overrides."""
         try:
-            await self.bridge.call(self.control.load, request.model_name, parameters)
+            override = load_override_from_grpc(request.parameters)
+            await self.bridge.call(self.control.load, request.model_name, override)
         except Exception as exc:
             await self._abort(context, exc)
         return service_pb2.RepositoryModelLoadResponse()

@@ -48,6 +48,7 @@ from ..protocols._kserve_http import (
 )
 from ..protocols._kserve_requests import WireRequest, parse_version
 from ..protocols._kserve_status import error_message, http_status
+from ..protocols._model_load import load_override_from_http
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._http_server import (
     DEFAULT_BODY_TIMEOUT,
@@ -274,7 +275,8 @@ class HttpApi:
         if not isinstance(parameters, dict):
             raise InvalidRequestError("'parameters' must be an object")
         if match["action"] == "load":
-            await self.control.load(match["model"], parameters)
+            override = await off_loop(len(request.body), load_override_from_http, parameters)
+            await self.control.load(match["model"], override)
         else:
             await self.control.unload(match["model"], parameters)
         return 200, _JSON, [b"{}"]

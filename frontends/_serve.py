@@ -29,6 +29,7 @@ import trio
 from .._server import AsyncServer, open_server
 from ..protocols import ConfigError
 from ..protocols._errors import ungrouped
+from ..protocols._model_load import DEFAULT_MAX_UPLOAD_SIZE, UploadLimits
 from ._control import (
     DEFAULT_EXIT_TIMEOUT,
     ModelControl,
@@ -41,6 +42,7 @@ from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, serve_http_api
 from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
+from ._uploads import UploadFolders, open_upload_folders
 
 _log = logging.getLogger("orchestrion")
 
@@ -84,6 +86,8 @@ class ServeOptions:
     """Triton's ``--http-restricted-api`` values: ``<apis>:<header>=<value>``."""
     grpc_restricted_protocols: Sequence[str] = ()
     """Triton's ``--grpc-restricted-protocol`` values: ``<protocols>:<key>=<value>``."""
+    model_upload_max_size: int = DEFAULT_MAX_UPLOAD_SIZE
+    """The most bytes the ``file:`` parameters of one load request may hold (0: none)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -126,15 +130,20 @@ async def serve(
     baseline: dict[str, object] = {}
     if mode is ModelControlMode.POLL:  # before loading: no change is missed
         baseline = await trio.to_thread.run_sync(repository_fingerprints, options.model_repository)
-    async with open_server(
-        options.model_repository,
-        load_models=[] if mode is ModelControlMode.EXPLICIT else None,
-        cache_config=list(options.cache_config) or None,
-        metrics_port=options.metrics_port,
-        metrics_host=options.metrics_address,
-        tracing=options.tracing,
-    ) as server:
-        control = await _open_model_control(server, options, mode)
+    # Uploaded model files are removed once every model (their user) has closed.
+    limits = UploadLimits(max_size=options.model_upload_max_size)
+    async with (
+        open_upload_folders(limits) as uploads,
+        open_server(
+            options.model_repository,
+            load_models=[] if mode is ModelControlMode.EXPLICIT else None,
+            cache_config=list(options.cache_config) or None,
+            metrics_port=options.metrics_port,
+            metrics_host=options.metrics_address,
+            tracing=options.tracing,
+        ) as server,
+    ):
+        control = await _open_model_control(server, options, mode, uploads)
         # The stop's steps run in the order they are tied to ``shutdown``: readiness turns
         # false, the HTTP and gRPC front ends stop accepting, polling ends. Leaving the
         # nursery then waits (each front end at most exit_timeout) for requests in flight;
@@ -198,6 +207,8 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
         raise ConfigError("--load-model needs --model-control-mode=explicit")
     if options.exit_timeout < 0 or options.poll_interval <= 0:
         raise ConfigError("--exit-timeout-secs must be >= 0 and --repository-poll-secs > 0")
+    if options.model_upload_max_size < 0:
+        raise ConfigError("--model-upload-max-size must be >= 0 (0: no files in load requests)")
     if not options.model_repository.exists():
         raise ConfigError(f"{options.model_repository}: model repository does not exist")
     if not options.model_repository.is_dir():
@@ -206,11 +217,13 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
 
 
 async def _open_model_control(
-    server: AsyncServer, options: ServeOptions, mode: ModelControlMode
+    server: AsyncServer, options: ServeOptions, mode: ModelControlMode, uploads: UploadFolders
 ) -> ModelControl:
     """The model control of ``server``, with explicit mode's ``--load-model`` models
     loaded, and everything loaded so far frozen out of the garbage collector's sight."""
-    control = ModelControl(server, mode=mode, strict_readiness=options.strict_readiness)
+    control = ModelControl(
+        server, mode=mode, strict_readiness=options.strict_readiness, uploads=uploads
+    )
     if mode is ModelControlMode.EXPLICIT:
         await control.load_at_start(options.load_models)
     # Everything loaded so far (JAX, the models, compiled functions) lives as long as the

@@ -49,6 +49,7 @@ from ._errors import InferenceError as InferenceError
 from ._errors import InferenceTimeoutError as InferenceTimeoutError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import JsonFieldError as JsonFieldError
+from ._errors import LoadRequestError as LoadRequestError
 from ._errors import ModelControlError as ModelControlError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import ModelNotFoundError as ModelNotFoundError

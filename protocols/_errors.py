@@ -143,6 +143,24 @@ class QueueTimeoutError(InferenceTimeoutError):
     """
 
 
+class LoadRequestError(OrchestrionError, ValueError):
+    """A load request could not be carried out before any model code ran: the model's
+    folder is missing or its config is wrong, or the request's ``config`` override or
+    ``file:`` parameters are wrong or refused. Nothing changed: what was serving serves on.
+
+    The caller's fault or the repository's. The message is Triton's ("failed to load
+    '<model>', failed to poll from model repository") followed by the reason, and the front
+    ends answer it as Triton does: HTTP 500, gRPC INTERNAL.
+    """
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(
+            f"failed to load '{model}', failed to poll from model repository: {reason}"
+        )
+        self.model = model
+        self.reason = reason
+
+
 class ModelControlError(OrchestrionError, RuntimeError):
     """The server's model control mode does not allow this load or unload.
 

@@ -66,22 +66,41 @@ def test_load_and_unload_over_both_protocols(explicit: Served) -> None:
     grpc_client.close()
 
 
-@pytest.mark.parametrize("name", ["../kserve_models", "..", "does_not_exist", "a/b"])
-def test_load_refuses_names_outside_the_repository(explicit: Served, name: str) -> None:
-    """A load of a path out of the repository, or of a missing folder, is a 400 naming it."""
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [
+        ("../kserve_models", ("400", "404")),  # no route, or refused: never a folder out
+        ("..", ("400",)),
+        ("a/b", ("400", "404")),
+        ("does_not_exist", ("500",)),
+    ],
+)
+def test_load_refuses_names_outside_the_repository(
+    explicit: Served, name: str, status: tuple[str, ...]
+) -> None:
+    """A load of a path out of the repository is refused (400, or 404 when no route
+    matches); of a missing folder, Triton's 500 "failed to load '<name>', failed to poll
+    from model repository"."""
     client = httpclient.InferenceServerClient(explicit.http)
     with pytest.raises(InferenceServerException) as refused:
         client.load_model(name)
-    assert str(refused.value.status()) in ("400", "404")
+    assert str(refused.value.status()) in status
+    if status == ("500",):
+        assert refused.value.message().startswith(
+            f"failed to load '{name}', failed to poll from model repository"
+        )
     client.close()
 
 
-def test_load_with_a_config_override_is_refused_clearly(explicit: Served) -> None:
-    """Triton's config override parameter is not supported: a 400 says so."""
+def test_a_config_override_replaces_the_whole_config(explicit: Served) -> None:
+    """As in Triton, a load's ``config`` replaces config.pbtxt whole: one without the
+    inputs a JAX model's execute takes fails to load, and the model serves on."""
     client = httpclient.InferenceServerClient(explicit.http)
     with pytest.raises(InferenceServerException) as refused:
         client.load_model("square", config='{"max_batch_size": 4}')
-    assert "not supported" in refused.value.message()
+    assert refused.value.message().startswith("load failed for model 'square': ")
+    assert "execute requires parameters that are not config inputs" in refused.value.message()
+    assert client.is_model_ready("square")
     client.close()
 
 

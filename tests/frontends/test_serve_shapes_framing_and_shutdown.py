@@ -358,8 +358,9 @@ def test_grpc_stream_many_concurrent_requests(server: Served) -> None:
 def test_loading_a_broken_config_names_file_and_field(
     repo_server: tuple[Served, Path],
 ) -> None:
-    """Loading a model whose config.pbtxt is broken is a 400 naming the file and the field;
-    the server keeps serving."""
+    """Loading a model whose config.pbtxt is broken is Triton's 500 "failed to load ...,
+    failed to poll from model repository", then the file and the field; the server keeps
+    serving."""
     served, repository = repo_server
     folder = repository / "broken"
     shutil.copytree(MODELS / "square", folder)
@@ -372,9 +373,11 @@ def test_loading_a_broken_config_names_file_and_field(
     try:
         with pytest.raises(InferenceServerException) as refused:
             client.load_model("broken")
-        assert refused.value.status() == "400"
+        assert refused.value.status() == "500"
         message = refused.value.message()
-        assert "config.pbtxt" in message, message
+        assert message.startswith("failed to load 'broken', failed to poll from model repository")
+        assert "broken/config.pbtxt" in message, message
+        assert str(repository) not in message, message
         assert "data_type" in message, message
     finally:
         client.close()
