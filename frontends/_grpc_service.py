@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import attrs
 import grpc
 import trio
-from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._server import AsyncServer
@@ -50,9 +48,10 @@ from ..protocols._kserve_requests import parse_version
 from ..protocols._kserve_status import error_message, grpc_status
 from ..protocols._model_load import load_override_from_grpc
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
-from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream, Undecodable
+from ._grpc_handlers import method_handlers
+from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream
 from ._offload import off_loop
-from ._restricted import GRPC_METHODS, Restrictions
+from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
 from ._wire_infer import WireInfer
 
@@ -380,97 +379,6 @@ async def serve_grpc_api(
                 raise
 
 
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except DecodeError as exc:
-            return Undecodable(f"the request message cannot be decoded: {exc}")
-
-    return deserialize
-
-
-def _guarded(
-    behaviour: Callable[..., Any], category: str, restrictions: Restrictions
-) -> Callable[..., Awaitable[Any]]:
-    """A unary method that refuses requests protobuf could not decode (INVALID_ARGUMENT)
-    and, when its category is restricted, those without the header (UNAVAILABLE)."""
-
-    async def unary(request: Any, context: Any) -> Any:
-        refusal = restrictions.refusal(category, _metadata_of(context))
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        result = behaviour(request, context)
-        return await result if inspect.isawaitable(result) else result
-
-    return unary
-
-
-def _guarded_stream(
-    behaviour: Callable[..., AsyncIterator[Any]], category: str, restrictions: Restrictions
-) -> Callable[..., AsyncIterator[Any]]:
-    """A streaming method that, when its category is restricted, ends a stream opened
-    without the header (UNAVAILABLE) before reading from it."""
-    if category not in restrictions.rules:
-        return behaviour
-
-    async def stream(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        refusal = restrictions.refusal(category, _metadata_of(context))
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-        async for response in behaviour(request_iterator, context):
-            yield response
-
-    return stream
-
-
-def _metadata_of(context: Any) -> Callable[[str], str | None]:
-    def header(name: str) -> str | None:
-        for key, value in context.invocation_metadata() or ():
-            if key == name:
-                return str(value)
-        return None
-
-    return header
-
-
-def _serializer(message_type: Any) -> Callable[[Any], bytes]:
-    """The message's own serializer, passing through what is serialized already
-    (`serialized_grpc_response`)."""
-    serialize = message_type.SerializeToString
-
-    def serializer(message: Any) -> bytes:
-        return message if isinstance(message, bytes) else serialize(message)
-
-    return serializer
-
-
-def _handlers(service: InferenceService) -> grpc.GenericRpcHandler:
-    """The service's methods, as the generated code registers them, with lenient decoding."""
-    descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {}
-    for method in descriptor.methods:
-        request_type = getattr(service_pb2, method.input_type.name)
-        response_type = getattr(service_pb2, method.output_type.name)
-        behaviour = getattr(service, method.name)
-        coding = {
-            "request_deserializer": _lenient(request_type.FromString),
-            "response_serializer": _serializer(response_type),
-        }
-        category = GRPC_METHODS.get(method.name, "")
-        if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _guarded_stream(behaviour, category, service.restrictions), **coding
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _guarded(behaviour, category, service.restrictions), **coding
-            )
-    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
-
-
 @attrs.define(eq=False)
 class _LoopThread:
     """The asyncio loop (in a worker thread) that runs grpcio's server."""
@@ -510,7 +418,7 @@ class _LoopThread:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        grpc_server.add_generic_rpc_handlers((_handlers(self.service),))
+        grpc_server.add_generic_rpc_handlers((method_handlers(self.service),))
         try:
             port = grpc_server.add_insecure_port(self.address)
         except RuntimeError as exc:

@@ -31,6 +31,7 @@ from ..protocols import (
     UnsupportedError,
 )
 from ..protocols._config import ModelConfig
+from ..protocols._json_objects import load_json_object
 from ..protocols._kserve_documents import (
     model_config_json,
     model_metadata,
@@ -44,7 +45,6 @@ from ..protocols._kserve_http import (
     decode_raw_request,
     encode_http_response,
     error_body,
-    load_json_object,
 )
 from ..protocols._kserve_requests import WireRequest, parse_version
 from ..protocols._kserve_status import error_message, http_status

@@ -119,12 +119,7 @@ async def serve(
         CacheUnavailableError: the cache's backend cannot be reached.
     """
     mode = _checked_mode(options)
-    http_restrictions = Restrictions.parse(options.http_restricted_apis, flag="http-restricted-api")
-    grpc_restrictions = Restrictions.parse(
-        options.grpc_restricted_protocols,
-        flag="grpc-restricted-protocol",
-        prefix=GRPC_HEADER_PREFIX,
-    )
+    restrictions = _restrictions(options)
     version = version or _version()
     shutdown = shutdown or Shutdown()
     baseline: dict[str, object] = {}
@@ -150,28 +145,11 @@ async def serve(
         # the models close after it.
         memory = SharedMemory(_shm_allowed(options), options.max_shm_regions)
         with contextlib.closing(memory):
+            serving = _Serving(server, control, version, options, shutdown, memory, restrictions)
             async with ungrouped(trio.open_nursery()) as front_ends:
                 with shutdown.on_request(control.stop_accepting):
-                    http = await _start_http(
-                        front_ends,
-                        server,
-                        control,
-                        version,
-                        options,
-                        shutdown,
-                        memory,
-                        http_restrictions,
-                    )
-                    grpc = await _start_grpc(
-                        front_ends,
-                        server,
-                        control,
-                        version,
-                        options,
-                        shutdown,
-                        memory,
-                        grpc_restrictions,
-                    )
+                    http = await _start_http(front_ends, serving)
+                    grpc = await _start_grpc(front_ends, serving)
                     metrics = server.metrics_url
                     task_status.started(
                         Endpoints(
@@ -185,6 +163,35 @@ async def serve(
                     await _run_until_stopped(
                         control, mode, options.poll_interval, baseline, shutdown
                     )
+
+
+@attrs.frozen
+class _Serving:
+    """What both front ends serve with."""
+
+    server: AsyncServer
+    control: ModelControl
+    version: str
+    options: ServeOptions
+    shutdown: Shutdown
+    memory: SharedMemory
+    restrictions: tuple[Restrictions, Restrictions]
+    """HTTP's and gRPC's."""
+
+
+def _restrictions(options: ServeOptions) -> tuple[Restrictions, Restrictions]:
+    """The HTTP and gRPC restrictions of ``options``.
+
+    Raises:
+        ConfigError: a malformed restriction flag.
+    """
+    http = Restrictions.parse(options.http_restricted_apis, flag="http-restricted-api")
+    grpc = Restrictions.parse(
+        options.grpc_restricted_protocols,
+        flag="grpc-restricted-protocol",
+        prefix=GRPC_HEADER_PREFIX,
+    )
+    return http, grpc
 
 
 def _checked_mode(options: ServeOptions) -> ModelControlMode:
@@ -235,27 +242,26 @@ async def _open_model_control(
     return control
 
 
-async def _start_http(
-    front_ends: trio.Nursery,
-    server: AsyncServer,
-    control: ModelControl,
-    version: str,
-    options: ServeOptions,
-    shutdown: Shutdown,
-    memory: SharedMemory,
-    restrictions: Restrictions,
-) -> str | None:
+async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None:
     """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
+    options = serving.options
     if options.http_port is None:
         return None
-    api = HttpApi(server, control, version, options.http_max_input_size, memory, restrictions)
+    api = HttpApi(
+        serving.server,
+        serving.control,
+        serving.version,
+        options.http_max_input_size,
+        serving.memory,
+        serving.restrictions[0],
+    )
     address: str = await front_ends.start(
         functools.partial(
             serve_http_api,
             api,
             options.http_address,
             options.http_port,
-            shutdown=shutdown,
+            shutdown=serving.shutdown,
             exit_timeout=options.exit_timeout,
             header_timeout=options.http_header_timeout,
             body_timeout=options.http_body_timeout,
@@ -265,32 +271,24 @@ async def _start_http(
     return address
 
 
-async def _start_grpc(
-    front_ends: trio.Nursery,
-    server: AsyncServer,
-    control: ModelControl,
-    version: str,
-    options: ServeOptions,
-    shutdown: Shutdown,
-    memory: SharedMemory,
-    restrictions: Restrictions,
-) -> str | None:
+async def _start_grpc(front_ends: trio.Nursery, serving: _Serving) -> str | None:
     """Start the gRPC front end in ``front_ends``; where it listens (None: disabled)."""
+    options = serving.options
     if options.grpc_port is None:
         return None
     address: str = await front_ends.start(
         functools.partial(
             serve_grpc_api,
-            server,
-            control,
-            version,
+            serving.server,
+            serving.control,
+            serving.version,
             options.grpc_address,
             options.grpc_port,
-            shutdown=shutdown,
+            shutdown=serving.shutdown,
             exit_timeout=options.exit_timeout,
             max_message_size=options.grpc_max_message_size,
-            shared_memory=memory,
-            restrictions=restrictions,
+            shared_memory=serving.memory,
+            restrictions=serving.restrictions[1],
         )
     )
     return address

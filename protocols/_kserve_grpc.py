@@ -136,11 +136,32 @@ def decode_grpc_request(message: Any) -> WireRequest:
             f"{len(raw)} raw_input_contents for the {used} inputs that take theirs from "
             "raw_input_contents (one each, in order)"
         )
+    names, shared_outputs, classifications = _requested_outputs(message.outputs)
+    return WireRequest(
+        model_name=message.model_name,
+        inputs=inputs,
+        options=RequestOptions(
+            model_version=parse_version(message.model_version),
+            outputs=tuple(names) or None,
+            request_id=message.id,
+            **fields,
+        ),
+        empty_final_response=flags.get("empty_final_response", False),
+        shared_inputs=shared_inputs,
+        shared_outputs=shared_outputs,
+        classifications=classifications,
+    )
+
+
+def _requested_outputs(
+    outputs: Any,
+) -> tuple[list[str], dict[str, SharedMemoryRef], dict[str, int]]:
+    """The requested outputs' names, and those asked in shared memory or as classes."""
     names: list[str] = []
     shared_outputs: dict[str, SharedMemoryRef] = {}
     classifications: dict[str, int] = {}
     seen: set[str] = set()
-    for output in message.outputs:
+    for output in outputs:
         name = output.name
         if name in seen:
             raise InvalidRequestError(f"output '{name}' already exists in request")
@@ -158,20 +179,7 @@ def decode_grpc_request(message: Any) -> WireRequest:
         elif count:
             classifications[name] = count
         names.append(name)
-    return WireRequest(
-        model_name=message.model_name,
-        inputs=inputs,
-        options=RequestOptions(
-            model_version=parse_version(message.model_version),
-            outputs=tuple(names) or None,
-            request_id=message.id,
-            **fields,
-        ),
-        empty_final_response=flags.get("empty_final_response", False),
-        shared_inputs=shared_inputs,
-        shared_outputs=shared_outputs,
-        classifications=classifications,
-    )
+    return names, shared_outputs, classifications
 
 
 def _parameters(parameters: Mapping[str, Any]) -> dict[str, ParameterValue]:

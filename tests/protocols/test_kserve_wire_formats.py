@@ -26,6 +26,7 @@ from orchestrion.protocols import (
     TensorConfig,
     parse_model_config,
 )
+from orchestrion.protocols._json_objects import Nested, load_json_object
 from orchestrion.protocols._kserve_documents import model_config_json, model_metadata
 from orchestrion.protocols._kserve_grpc import (
     decode_grpc_request,
@@ -33,11 +34,9 @@ from orchestrion.protocols._kserve_grpc import (
     serialized_grpc_response,
 )
 from orchestrion.protocols._kserve_http import (
-    Nested,
     decode_http_request,
     decode_raw_request,
     encode_http_response,
-    load_json_object,
 )
 from orchestrion.protocols._kserve_status import grpc_status, http_status
 from orchestrion.protocols._kserve_tensors import (
