@@ -154,20 +154,15 @@ class ModelRegistry:
 
     # -- requests (`RequestRouter`) --------------------------------------------------------
 
-    async def infer(
-        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
-    ) -> InferResponse:
+    async def infer(self, request: InferRequest, *, from_ensemble: bool = False) -> InferResponse:
         """Check ``request`` against its model's config and run it (`RequestRouter.infer`).
 
         Raises:
             ModelNotFoundError: unknown model or version.
             InvalidRequestError: bad inputs or requested outputs (nothing ran).
-            InferenceError: the model or a step of the ensemble failed, or (strict) a
-                requested output was left out.
+            InferenceError: the model or a step of the ensemble failed.
         """
-        return await self._router.infer(
-            request, strict_outputs=strict_outputs, from_ensemble=from_ensemble
-        )
+        return await self._router.infer(request, from_ensemble=from_ensemble)
 
     def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
         """The responses of a decoupled model to ``request``, as they come (a model that is
