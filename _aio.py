@@ -189,6 +189,8 @@ async def open_server(
     metrics_host: str = "127.0.0.1",
     tracing: str | Sequence[str] | trace.TracerProvider | None = None,
     observers: Sequence[Observer] = (),
+    auto_complete_config: bool = True,
+    model_config_name: str = "",
 ) -> AsyncIterator[AioServer]:
     """Open an orchestrion server from asyncio code; models are ready on entry.
 
@@ -218,6 +220,8 @@ async def open_server(
         metrics_host=metrics_host,
         tracing=tracing,
         observers=observers,
+        auto_complete_config=auto_complete_config,
+        model_config_name=model_config_name,
     )
     loop = asyncio.get_running_loop()
     started: asyncio.Future[tuple[AsyncServer, TrioBridge, trio.lowlevel.TrioToken, trio.Event]]

@@ -43,6 +43,7 @@ from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
 from ._loaded_models import LoadedModels, Runner
+from ._repository import AUTO_COMPLETE, ConfigReading
 from ._repository_reader import read_repository
 from ._request_router import RequestRouter, caches
 from ._runner import ModelRunner
@@ -79,6 +80,8 @@ class ModelRegistry:
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     repository: Path | None = None
+    config_reading: ConfigReading = AUTO_COMPLETE
+    """How the repository's configs are found and completed."""
     cache: CacheActor | None = None
     """The server's response cache; None when the server has none."""
     tracing: RequestTracing | None = None
@@ -425,4 +428,6 @@ class ModelRegistry:
         """
         if self.repository is None:
             raise ConfigError("no model repository was configured")
-        return await read_repository(self.repository, names, self._models)
+        return await read_repository(
+            self.repository, names, self._models, reading=self.config_reading
+        )
