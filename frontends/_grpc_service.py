@@ -170,7 +170,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         def index() -> Any:
             loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
             available = self.control.available()
-            return repository_index_message(loaded, available, ready_only=request.ready)
+            return repository_index_message(
+                loaded, available, ready_only=request.ready, failed=self.control.failures()
+            )
 
         return await self._read(context, index)
 
