@@ -338,6 +338,7 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         exit_on_error=triton.exit_on_error,
         auto_complete_config=triton.auto_complete_config,
         model_config_name=triton.model_config_name,
+        grpc_channel_args=triton.grpc_channel_args,
         strict_readiness=args.strict_readiness,
         exit_timeout=args.exit_timeout_secs,
         poll_interval=args.repository_poll_secs,

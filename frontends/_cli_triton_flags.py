@@ -4,11 +4,13 @@ How this works: `add_triton_flags` declares, in one argument group, the flags of
 ``tritonserver`` (its ``command_line_parser.cc``, 2.51) that ``serve`` does not declare with
 its endpoints, limits and models. Those that apply are honoured: the log flags
 (`LogSettings`), ``--exit-on-error``, ``--disable-auto-complete-config`` and the deprecated
-``--strict-model-config``, ``--model-config-name``, and ``--model-store`` (``--model-repository``
-by another name). Those that cannot apply here (backends, GPUs, thread pools, Triton's own
-trace files...) are accepted with Triton's value types and ignored; `triton_settings` prints
-one warning naming those given. The few whose silent absence would mislead (TLS, SageMaker and
-Vertex AI endpoints) are a start-up error when switched on.
+``--strict-model-config``, ``--model-config-name``, ``--model-store`` (``--model-repository``
+by another name), and the gRPC keepalive and connection-age flags and ``--reuse-grpc-port``
+(the grpcio server options Triton sets from them, `GRPC_CHANNEL_ARGS`). Those that cannot
+apply here (backends, GPUs, thread pools, Triton's own trace files...) are accepted with
+Triton's value types and ignored; `triton_settings` prints one warning naming those given.
+The few whose silent absence would mislead (TLS, SageMaker and Vertex AI endpoints) are a
+start-up error when switched on.
 
 Triton's boolean flags take ``true``/``false``/``on``/``off``/``1``/``0`` (``--flag=value``
 or ``--flag value``); orchestrion also takes a bare ``--flag`` as true.
@@ -83,7 +85,6 @@ IGNORED: dict[str, str] = {
     "--id": "str",
     # Front-end tuning of Triton's HTTP and gRPC servers.
     "--reuse-http-port": "bool",
-    "--reuse-grpc-port": "bool",
     "--http-thread-count": "int",
     "--http-header-forward-pattern": "str",
     "--grpc-header-forward-pattern": "str",
@@ -91,14 +92,6 @@ IGNORED: dict[str, str] = {
     "--grpc-infer-allocation-pool-size": "int",
     "--grpc-max-response-pool-size": "int",
     "--grpc-infer-response-compression-level": "str",
-    "--grpc-keepalive-time": "int",
-    "--grpc-keepalive-timeout": "int",
-    "--grpc-keepalive-permit-without-calls": "bool",
-    "--grpc-http2-max-pings-without-data": "int",
-    "--grpc-http2-min-recv-ping-interval-without-data": "int",
-    "--grpc-http2-max-ping-strikes": "int",
-    "--grpc-max-connection-age": "int",
-    "--grpc-max-connection-age-grace": "int",
     "--grpc-server-cert": "str",
     "--grpc-server-key": "str",
     "--grpc-root-cert": "str",
@@ -121,6 +114,22 @@ IGNORED: dict[str, str] = {
     "--trace-log-frequency": "int",
 }
 """The ``tritonserver`` flags accepted and ignored, with the type of their value."""
+
+GRPC_CHANNEL_ARGS: dict[str, str] = {
+    "--grpc-keepalive-time": "grpc.keepalive_time_ms",
+    "--grpc-keepalive-timeout": "grpc.keepalive_timeout_ms",
+    "--grpc-keepalive-permit-without-calls": "grpc.keepalive_permit_without_calls",
+    "--grpc-http2-max-pings-without-data": "grpc.http2.max_pings_without_data",
+    "--grpc-http2-min-recv-ping-interval-without-data": (
+        "grpc.http2.min_ping_interval_without_data_ms"
+    ),
+    "--grpc-http2-max-ping-strikes": "grpc.http2.max_ping_strikes",
+    "--grpc-max-connection-age": "grpc.max_connection_age_ms",
+    "--grpc-max-connection-age-grace": "grpc.max_connection_age_grace_ms",
+    "--reuse-grpc-port": "grpc.so_reuseport",
+}
+"""Triton's gRPC flags that are grpcio server options (Triton sets the same ones)."""
+_BOOLEAN_ARGS = ("--grpc-keepalive-permit-without-calls", "--reuse-grpc-port")
 
 REFUSED_WHEN_TRUE: dict[str, str] = {
     "--grpc-use-ssl": "gRPC over TLS is not offered yet: put a TLS-terminating proxy in front",
@@ -200,6 +209,17 @@ def add_triton_flags(serve: argparse.ArgumentParser) -> None:
         "(default: config.pbtxt)",
     )
     _add_log_flags(group)
+    for flag in GRPC_CHANNEL_ARGS:
+        kind = "bool" if flag in _BOOLEAN_ARGS else "int"
+        group.add_argument(
+            flag,
+            dest=_dest(flag),
+            type=_TYPES[kind],
+            nargs="?" if kind == "bool" else None,
+            const=True if kind == "bool" else None,
+            metavar="BOOL" if kind == "bool" else "N",
+            help=f"grpcio's {GRPC_CHANNEL_ARGS[flag]}, as Triton sets it (default: grpcio's)",
+        )
     for flag, kind in IGNORED.items():
         _add_accepted(group, flag, kind)
     for flag in REFUSED_WHEN_TRUE:
@@ -262,6 +282,7 @@ class TritonSettings:
     exit_on_error: bool
     auto_complete_config: bool
     model_config_name: str
+    grpc_channel_args: tuple[tuple[str, int], ...]
     logs: LogSettings
 
 
@@ -302,6 +323,11 @@ def triton_settings(args: argparse.Namespace, console: Console) -> TritonSetting
         exit_on_error=args.exit_on_error,
         auto_complete_config=auto_complete,
         model_config_name=args.model_config_name,
+        grpc_channel_args=tuple(
+            (option, int(value))
+            for flag, option in GRPC_CHANNEL_ARGS.items()
+            if (value := getattr(args, _dest(flag))) is not None
+        ),
         logs=LogSettings(
             verbose=args.log_verbose,
             info=args.log_info,

@@ -97,6 +97,9 @@ class ServeOptions:
     """Triton's ``--grpc-restricted-protocol`` values: ``<protocols>:<key>=<value>``."""
     model_upload_max_size: int = DEFAULT_MAX_UPLOAD_SIZE
     """The most bytes the ``file:`` parameters of one load request may hold (0: none)."""
+    grpc_channel_args: Sequence[tuple[str, int]] = ()
+    """More of grpcio's server options (Triton's gRPC keepalive flags, ``--reuse-grpc-port``),
+    over the defaults."""
 
 
 @attrs.frozen(kw_only=True)
@@ -303,6 +306,7 @@ async def _start_grpc(front_ends: trio.Nursery, serving: _Serving) -> str | None
             max_message_size=options.grpc_max_message_size,
             shared_memory=serving.memory,
             restrictions=serving.restrictions[1],
+            channel_args=options.grpc_channel_args,
         )
     )
     return address

@@ -217,6 +217,7 @@ def test_auto_complete_is_on_with_strict_model_config_false(launched: Served) ->
 def test_disabled_auto_complete_and_the_other_log_flags(models: Path, tmp_path: Path) -> None:
     """--disable-auto-complete-config: noconfig is UNAVAILABLE (its config.pbtxt is
     missing) and completes keeps max_batch_size 0; --strict-readiness=false: ready anyway;
+    gRPC keepalive flags taken;
     --log-file takes the log (only E lines, --log-info and --log-warning being false) in
     Triton's default layout, and standard output keeps only the start-up lines."""
     log = tmp_path / "server.log"
@@ -231,6 +232,9 @@ def test_disabled_auto_complete_and_the_other_log_flags(models: Path, tmp_path: 
         "FALSE",
         "--log-format=default",
         f"--log-file={log}",
+        "--grpc-keepalive-time=10000",
+        "--grpc-keepalive-permit-without-calls",
+        "--grpc-max-connection-age=600000",
         repository=models,
     )
     try:
@@ -241,6 +245,11 @@ def test_disabled_auto_complete_and_the_other_log_flags(models: Path, tmp_path: 
             in (index["noconfig"]["reason"])
         )
         assert index["good"]["state"] == "READY"
+        grpc = grpcclient.InferenceServerClient(served.grpc)
+        try:  # the keepalive flags are grpcio's options: gRPC serves as before
+            assert _echo(grpc, grpcclient, "good") == [0.0, 1.0, 2.0, 3.0]
+        finally:
+            grpc.close()
         http = httpclient.InferenceServerClient(served.http)
         try:
             assert http.is_server_ready()
@@ -377,6 +386,36 @@ def test_ignored_flags_are_named_once_in_one_warning() -> None:
         "warning: ignoring tritonserver flags that do not apply to orchestrion: "
         "--backend-config, --pinned-memory-pool-byte-size, --allow-gpu-metrics"
     ]
+
+
+def test_grpc_flags_become_grpcio_options() -> None:
+    """Triton's gRPC keepalive, connection-age and reuse-port flags are the grpcio server
+    options Triton sets from them, with no warning."""
+    options, _, out = _settings(
+        "--grpc-keepalive-time=60000",
+        "--grpc-keepalive-timeout",
+        "5000",
+        "--grpc-keepalive-permit-without-calls",
+        "--grpc-http2-max-pings-without-data=0",
+        "--grpc-http2-min-recv-ping-interval-without-data=10000",
+        "--grpc-http2-max-ping-strikes=3",
+        "--grpc-max-connection-age=600000",
+        "--grpc-max-connection-age-grace=30000",
+        "--reuse-grpc-port=false",
+    )
+    assert out == ""
+    assert dict(options.grpc_channel_args) == {
+        "grpc.keepalive_time_ms": 60000,
+        "grpc.keepalive_timeout_ms": 5000,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.max_pings_without_data": 0,
+        "grpc.http2.min_ping_interval_without_data_ms": 10000,
+        "grpc.http2.max_ping_strikes": 3,
+        "grpc.max_connection_age_ms": 600000,
+        "grpc.max_connection_age_grace_ms": 30000,
+        "grpc.so_reuseport": 0,
+    }
+    assert _settings()[0].grpc_channel_args == ()
 
 
 def test_model_store_and_one_repository() -> None:
