@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from rich.console import Console
+from tritonclient.utils import InferenceServerException
 
 from orchestrion.frontends._cli import _parser
 from orchestrion.frontends._cli import main as cli
@@ -265,6 +266,34 @@ def test_disabled_auto_complete_and_the_other_log_flags(models: Path, tmp_path: 
     assert any("failed to load model 'noconfig'" in line for line in lines)
     assert not any(DEFAULT_LINE.match(line) for line in served.output), served.text()
     assert any(line.startswith("Started HTTPService at") for line in served.output)
+
+
+def test_a_failed_load_later_is_listed_with_its_reason(models: Path) -> None:
+    """Explicit mode, --exit-on-error=false: --load-model broken is left out at start; a
+    load request for it fails and the index keeps its reason; good then loads."""
+    served = start_server(
+        "--model-control-mode=explicit",
+        "--load-model=broken",
+        "--load-model=ens_good",
+        "--exit-on-error=false",
+        repository=models,
+    )
+    try:
+        index = _index(served)
+        assert index["broken"]["state"] == "UNAVAILABLE"
+        assert "this model cannot start" in index["broken"]["reason"]
+        assert index["ens_good"]["state"] == "READY"
+        assert index["logs"]["reason"] == "unloaded"
+        client = httpclient.InferenceServerClient(served.http)
+        try:
+            with pytest.raises(InferenceServerException, match="this model cannot start"):
+                client.load_model("broken")
+            assert "this model cannot start" in _index(served)["broken"]["reason"]
+            assert not client.is_server_ready()  # broken should be loaded: strict readiness
+        finally:
+            client.close()
+    finally:
+        assert served.stop() == 0, served.text()
 
 
 def _start_fails(repository: Path, *flags: str) -> tuple[int, str]:
