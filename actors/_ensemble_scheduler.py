@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import attrs
@@ -41,18 +41,15 @@ import trio
 
 from ..protocols import (
     EnsembleGraph,
-    InferenceError,
     InferRequest,
     InferResponse,
-    InvalidRequestError,
     ModelConfig,
-    ModelNotFoundError,
     Observer,
     ServerClosedError,
     StepPlan,
-    StepRefusedError,
     StepStatistics,
 )
+from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_plans import Plan
 
 
@@ -127,39 +124,6 @@ class Run:
 
 def _closed() -> ServerClosedError:
     return ServerClosedError("the server is shutting down")
-
-
-def step_failed(ensemble: str, plan: StepPlan, error: Exception, note: str = "") -> InferenceError:
-    """``error`` of a step's model as the ensemble reports it: prefixed with the step, and
-    followed by ``note`` (see `left_out_note`). A step request its model refused as invalid
-    (or a nested ensemble's refused step) is a `StepRefusedError`."""
-    refused = isinstance(error, StepRefusedError) or (
-        isinstance(error, InvalidRequestError) and not isinstance(error, ModelNotFoundError)
-    )
-    wrapped = (StepRefusedError if refused else InferenceError)(
-        f"in ensemble '{ensemble}', step[{plan.index}]: {error}{note}",
-        model_name=plan.model_name,
-    )
-    wrapped.__cause__ = error
-    return wrapped
-
-
-def left_out_note(graph: EnsembleGraph, plan: StepPlan, left_out: Collection[str] | None) -> str:
-    """For the error of step ``plan``: which of its input tensors an earlier step's model left
-    out of its answer, and which (``""`` when none). Triton's error says only that the input
-    is missing."""
-    if not left_out:
-        return ""
-    notes = []
-    for _, tensor in plan.inputs:
-        if tensor in left_out:
-            producer = graph.steps[graph.producer[tensor]]
-            output = next(o for o, t in producer.outputs if t == tensor)
-            notes.append(
-                f"tensor '{tensor}': step[{producer.index}]'s model '{producer.model_name}' "
-                f"left its output '{output}' out"
-            )
-    return f" ({'; '.join(notes)})" if notes else ""
 
 
 @attrs.define(eq=False)

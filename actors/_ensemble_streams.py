@@ -30,8 +30,9 @@ from ..protocols import (
     ServerClosedError,
     StepPlan,
 )
+from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_plans import Plan
-from ._ensemble_scheduler import Scheduler, Step, left_out_note, step_failed
+from ._ensemble_scheduler import Scheduler, Step
 
 
 @attrs.define(eq=False)
