@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..actors import find_model_folder, load_code
+from ..actors import AUTO_COMPLETE, ConfigReading, find_model_folder, load_code
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -131,6 +131,8 @@ class ModelControl:
     strict_readiness: bool = True
     uploads: UploadFolders = attrs.field(factory=UploadFolders)
     """Where the files of load requests are written (and their limits)."""
+    config_reading: ConfigReading = AUTO_COMPLETE
+    """How load requests find and complete configs (the server's own reading)."""
     _expected: set[str] = attrs.field(factory=set, init=False)
     """Models that should be serving (for strict readiness)."""
     _failed: dict[str, str] = attrs.field(factory=dict, init=False)
@@ -213,6 +215,7 @@ class ModelControl:
                     root=self.server.model_repository,
                     loaded=set(self.server.model_names()),
                     uploads=self.uploads,
+                    reading=self.config_reading,
                 )
             except LoadRequestError as exc:
                 self._failed_to_load(name, exc)

@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer, open_server
+from ..actors import ConfigReading
 from ..protocols import ConfigError
 from ..protocols._errors import ungrouped
 from ..protocols._model_load import DEFAULT_MAX_UPLOAD_SIZE, UploadLimits
@@ -243,8 +244,15 @@ async def _open_model_control(
 ) -> ModelControl:
     """The model control of ``server``, with explicit mode's ``--load-model`` models
     loaded, and everything loaded so far frozen out of the garbage collector's sight."""
+    reading = ConfigReading(
+        auto_complete=options.auto_complete_config, config_name=options.model_config_name
+    )
     control = ModelControl(
-        server, mode=mode, strict_readiness=options.strict_readiness, uploads=uploads
+        server,
+        mode=mode,
+        strict_readiness=options.strict_readiness,
+        uploads=uploads,
+        config_reading=reading,
     )
     if mode is ModelControlMode.EXPLICIT:
         await control.load_at_start(options.load_models, exit_on_error=options.exit_on_error)

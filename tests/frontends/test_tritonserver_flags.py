@@ -296,6 +296,25 @@ def test_a_failed_load_later_is_listed_with_its_reason(models: Path) -> None:
         assert served.stop() == 0, served.text()
 
 
+def test_load_requests_follow_the_auto_complete_flags(models: Path) -> None:
+    """Explicit mode with --disable-auto-complete-config: a load request reads configs as
+    the start does (noconfig refused, completes not completed)."""
+    served = start_server(
+        "--model-control-mode=explicit", "--disable-auto-complete-config", repository=models
+    )
+    try:
+        client = httpclient.InferenceServerClient(served.http)
+        try:
+            with pytest.raises(InferenceServerException, match="auto-complete is disabled"):
+                client.load_model("noconfig")
+            client.load_model("completes")
+            assert client.get_model_config("completes").get("max_batch_size", 0) == 0
+        finally:
+            client.close()
+    finally:
+        assert served.stop() == 0, served.text()
+
+
 def _start_fails(repository: Path, *flags: str) -> tuple[int, str]:
     """Run ``orchestrion serve`` until it exits (bounded): its exit status and output."""
     finished = subprocess.run(
