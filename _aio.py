@@ -153,6 +153,10 @@ class AioServer:
         """See `AsyncServer.model_versions`."""
         return await self._sync(self._server.model_versions, name)
 
+    async def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
+        """See `AsyncServer.output_labels`."""
+        return await self._sync(self._server.output_labels, name, version)
+
     async def is_decoupled(self, name: str) -> bool:
         """See `AsyncServer.is_decoupled`."""
         return await self._sync(self._server.is_decoupled, name)

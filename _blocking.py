@@ -211,6 +211,11 @@ class Server:
         result: list[int] = self._sync("model_versions", name)
         return result
 
+    def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
+        """See `AsyncServer.output_labels`."""
+        result: Mapping[str, Sequence[str]] = self._sync("output_labels", name, version)
+        return result
+
     def is_decoupled(self, name: str) -> bool:
         """See `AsyncServer.is_decoupled`."""
         result: bool = self._sync("is_decoupled", name)
