@@ -112,11 +112,16 @@ class RedisClusterServers:
                 "--cluster-replica-validity-factor",
                 "0",
             ]
+            host = hosts[i % len(hosts)]
+            if not host.startswith("127."):
+                # Reached from other (test) hosts, with no password: Redis's protected mode
+                # would refuse them.
+                extra += ["--protected-mode", "no"]
             self.nodes.append(
                 RedisServer(
                     folder,
                     extra,
-                    host=hosts[i % len(hosts)],
+                    host=host,
                     port=cluster_port() if ports is None else ports[i],
                     launcher=launchers[i % len(launchers)],
                 )
