@@ -15,3 +15,4 @@ from ._protocol import CacheUsage as CacheUsage
 from ._protocol import ResponseCache as ResponseCache
 from ._redis import RedisCache as RedisCache
 from ._redis import open_redis_cache as open_redis_cache
+from ._redis_cluster import RedisClusterCache as RedisClusterCache

@@ -1,26 +1,31 @@
-"""The ``redis`` cache: responses in a Redis server, shared by every server that uses it.
+"""The ``redis`` cache: responses in Redis, shared by every server that uses it.
 
-How this works: redis-py's synchronous client (with the hiredis parser) over a blocking
-connection pool of ``pool_size`` connections. redis-py's own asyncio client cannot run on
-trio, so each *batch* of operations makes one trip to a worker thread and one pipelined round
-trip to Redis; the cache actor gathers the batches (up to ``pool_size`` at once), so the
-thread hop is paid per batch, not per request. Values are orchestrion's data-only entry
-format (`encode_entry`), under ``<prefix><32 hex digits>``, with an optional TTL. Every
-redis-py error becomes a `CacheUnavailableError`, which the actor turns into uncached
-service until Redis answers again; except error replies to SETs (a full Redis answers OOM,
-a replica READONLY), which become an `CacheWriteRefusedError`: Redis is up and still serves
-reads, only the refused entries are lost.
+How this works: redis-py's synchronous client (with the hiredis parser) over a connection
+pool of ``pool_size`` connections. redis-py's own asyncio client cannot run on trio, so each
+*batch* of operations makes one trip to a worker thread and one pipelined round trip to
+Redis; the cache actor gathers the batches (up to ``pool_size`` at once), so the thread hop is
+paid per batch, not per request. Values are orchestrion's data-only entry format
+(`encode_entry`), under ``<prefix><32 hex digits>``, with an optional TTL. Every redis-py
+error becomes a `CacheUnavailableError`, which the actor turns into uncached service until
+Redis answers again; except error replies to SETs (a full Redis answers OOM, a replica
+READONLY), which become an `CacheWriteRefusedError`: Redis is up and still serves reads, only
+the refused entries are lost.
+
+The same class serves a primary that Sentinels watch (``sentinels=...``): redis-py's
+Sentinel pool asks the Sentinels where the primary is whenever it connects, so after a
+failover the first probe of the actor reaches the promoted replica. A Redis Cluster
+(``cluster=true``) is `RedisClusterCache`, whose failures are per node.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 import redis.exceptions
+import redis.sentinel
 import trio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -31,73 +36,35 @@ from ..protocols import (
     CacheKey,
     CacheUnavailableError,
     CacheWriteRefusedError,
-    ConfigError,
-    check_option_names,
     decode_entry,
     encode_entry,
-    option_bool,
-    option_int,
 )
 from ._actor import Throttled
 from ._protocol import ResponseCache
+from ._redis_cluster import open_redis_cluster_cache
+from ._redis_settings import RedisSettings, credentials_refused, redis_settings, reply_text
 
 _log = logging.getLogger("orchestrion.caches")
 
-OPTIONS = (
-    "host",
-    "port",
-    "user",
-    "password",
-    "db",
-    "connect_timeout",
-    "socket_timeout",
-    "pool_size",
-    "wait_timeout",
-    "tls_enabled",
-    "cert",
-    "key",
-    "cacert",
-    "prefix",
-    "ttl",
-    "retry_interval",
-)
-"""Triton's redis cache keys (timeouts in ms), plus ``prefix``, ``ttl`` (s) and
-``retry_interval`` (ms)."""
-
-_ENV_USER = ("ORCHESTRION_REDIS_USERNAME", "TRITONCACHE_REDIS_USERNAME")
-_ENV_PASSWORD = ("ORCHESTRION_REDIS_PASSWORD", "TRITONCACHE_REDIS_PASSWORD")
-
-
-def _from_env(config: CacheConfig, key: str, names: Sequence[str]) -> str | None:
-    if key in config.options:
-        return config.options[key]
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value
-    return None
-
 
 class RedisCache(ResponseCache):
-    """A `ResponseCache` on a Redis server. Open it with `open_redis_cache`."""
+    """A `ResponseCache` on one Redis server, or on the primary that Sentinels name. Open it
+    with `open_redis_cache`."""
 
     def __init__(
         self,
         client: redis.Redis,
-        *,
-        address: str,
-        prefix: str,
-        ttl_s: int,
-        concurrency: int,
-        retry_interval: float,
+        settings: RedisSettings,
+        others: Sequence[redis.Redis] = (),
     ) -> None:
         self._client = client
-        self.address = address
-        self.prefix = prefix
-        self.ttl_s = ttl_s
-        self.concurrency = concurrency
-        self.retry_interval = retry_interval
-        self._limiter = trio.CapacityLimiter(concurrency)
+        self._others = list(others)
+        self.address = settings.address
+        self.prefix = settings.prefix
+        self.ttl_s = settings.ttl
+        self.concurrency = settings.pool_size
+        self.retry_interval = settings.retry_interval
+        self._limiter = trio.CapacityLimiter(settings.pool_size)
         self._undecodable = Throttled(_log)
 
     def _name(self, key: CacheKey) -> str:
@@ -155,130 +122,91 @@ class RedisCache(ResponseCache):
         if refusals:
             raise CacheWriteRefusedError(
                 f"Redis at {self.address} refused {len(refusals)} of {len(items)} writes: "
-                f"{_reply(refusals[0])}",
+                f"{reply_text(refusals[0])}",
                 refused=len(refusals),
             ) from refusals[0]
 
     async def aclose(self) -> None:
         """Close every pooled connection (closing sockets does not block)."""
-        _close(self._client)
+        _close(self._client, self._others)
 
 
-def _settings(config: CacheConfig) -> dict[str, Any]:
-    """redis-py's connection-pool arguments from the ``--cache-config redis`` options.
-
-    Raises:
-        ConfigError: a missing ``host``/``port`` or a malformed option.
-    """
-    check_option_names(config, OPTIONS)
-    missing = [k for k in ("host", "port") if not config.options.get(k, "").strip()]
-    if missing:
-        raise ConfigError(
-            f"--cache-config redis: {' and '.join(repr(k) for k in missing)} required "
-            "(--cache-config redis,host=<host> --cache-config redis,port=<port>)"
+def _pool(settings: RedisSettings) -> tuple[redis.Redis, list[redis.Redis]]:
+    """The client of one Redis server or of the primary the Sentinels name, and the
+    Sentinels' own clients (to close with it)."""
+    # One immediate retry on a fresh connection: a pooled connection to a Redis that has
+    # restarted (or to a primary that failed over) fails once, and that must not count as
+    # an outage. (Never on a timeout: a hung Redis must cost one socket_timeout, not two.)
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    kwargs = settings.connection_kwargs()
+    if settings.mode == "sentinel":
+        sentinel_kwargs = {k: v for k, v in kwargs.items() if k not in ("username", "password")} | {
+            "password": settings.sentinel_password or None
+        }
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
         )
-    host = config.options["host"].strip()
-    port = option_int(config, "port", minimum=1)
-    db = option_int(config, "db", 0, minimum=0)
-    connect_ms = option_int(config, "connect_timeout", 1000, minimum=1)
-    socket_ms = option_int(config, "socket_timeout", 1000, minimum=1)
-    wait_ms = option_int(config, "wait_timeout", 1000, minimum=1)
-    # Each pooled connection gets a worker thread; on 2 cores, more than 2 threads fight over
-    # the GIL and lose throughput (bench/cache.py: 28k lookups/s at 1, 23k at 2, 14k at 4).
-    pool_size = option_int(config, "pool_size", 2, minimum=1)
-    option_int(config, "ttl", 0, minimum=0)  # checked here, used by the cache
-    option_int(config, "retry_interval", 1000, minimum=1)
-    tls = option_bool(config, "tls_enabled")
-    files = {k: config.options.get(k) for k in ("cert", "key", "cacert")}
-    if not tls and any(files.values()):
-        raise ConfigError(
-            "--cache-config redis: cert, key and cacert need tls_enabled=true "
-            "(--cache-config redis,tls_enabled=true)"
+        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+            settings.sentinel_master,
+            db=settings.db,
+            max_connections=settings.pool_size,
+            retry=retry,
         )
-    for option, path in files.items():
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"--cache-config redis,{option}={path}: no such file")
-    user = _from_env(config, "user", _ENV_USER)
-    password = _from_env(config, "password", _ENV_PASSWORD)
-    address = f"{host}:{port}" + (f"/{db}" if db else "")
-    kwargs: dict[str, Any] = {
-        "host": host,
-        "port": port,
-        "db": db,
-        "username": user or None,
-        "password": password or None,
-        "socket_connect_timeout": connect_ms / 1000,
-        "socket_timeout": socket_ms / 1000,
-        "max_connections": pool_size,
-        "timeout": wait_ms / 1000,
-        # One immediate retry on a fresh connection: a pooled connection to a Redis that has
-        # restarted fails once, and that must not count as an outage.
-        # (Never on a timeout: a hung Redis must cost one socket_timeout, not two.)
-        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-        "address": address,
-    }
-    if tls:
-        kwargs.update(
-            connection_class=redis.SSLConnection,
-            ssl_certfile=files["cert"],
-            ssl_keyfile=files["key"],
-            ssl_ca_certs=files["cacert"],
-        )
-    return kwargs
+        return client, list(sentinel.sentinels)
+    if settings.tls:
+        kwargs.pop("ssl")
+        kwargs["connection_class"] = redis.SSLConnection
+    pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+        host=settings.host,
+        port=settings.port,
+        db=settings.db,
+        max_connections=settings.pool_size,
+        timeout=settings.wait_timeout,
+        retry=retry,
+        **kwargs,
+    )
+    return redis.Redis(connection_pool=pool), []
 
 
-async def open_redis_cache(config: CacheConfig) -> RedisCache:
+async def open_redis_cache(config: CacheConfig) -> ResponseCache:
     """The ``redis`` entry point: connects, and PINGs once to fail early.
+
+    Returns:
+        a `RedisCache` (one server, or the primary Sentinels name), or a
+        `RedisClusterCache` with ``cluster=true``.
 
     Raises:
         ConfigError: a missing ``host``/``port`` or a malformed option.
         CacheUnavailableError: Redis cannot be reached or refuses the credentials.
     """
-    kwargs = _settings(config)
-    address = kwargs.pop("address")
-    tls = kwargs.get("connection_class") is redis.SSLConnection
-    pool = redis.BlockingConnectionPool(**kwargs)  # type: ignore[no-untyped-call]
-    client = redis.Redis(connection_pool=pool)
+    settings = redis_settings(config)
+    if settings.mode == "cluster":
+        return await open_redis_cluster_cache(settings)
+    client, others = _pool(settings)
+    address = settings.address
     try:
         await trio.to_thread.run_sync(client.ping)
     except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
-        _close(client)
-        if isinstance(exc, redis.exceptions.AuthenticationError) or _refused(exc):
+        _close(client, others)
+        if isinstance(exc, redis.exceptions.AuthenticationError) or credentials_refused(exc):
             raise CacheUnavailableError(
                 f"Redis at {address} rejected the credentials ({exc}); set user and password "
                 "in --cache-config or ORCHESTRION_REDIS_USERNAME/ORCHESTRION_REDIS_PASSWORD"
             ) from exc
         raise CacheUnavailableError(f"Redis at {address} refused PING: {exc}") from exc
     except redis.exceptions.RedisError as exc:
-        _close(client)
+        _close(client, others)
         raise CacheUnavailableError(
-            f"cannot reach Redis at {address}{' over TLS' if tls else ''}: {exc}"
+            f"cannot reach Redis at {address}{' over TLS' if settings.tls else ''}: {exc}"
         ) from exc
     except BaseException:
-        _close(client)
+        _close(client, others)
         raise
-    return RedisCache(
-        client,
-        address=address,
-        prefix=config.options.get("prefix", "orchestrion:"),
-        ttl_s=option_int(config, "ttl", 0, minimum=0),
-        concurrency=kwargs["max_connections"],
-        retry_interval=option_int(config, "retry_interval", 1000, minimum=1) / 1000,
-    )
+    return RedisCache(client, settings, others)
 
 
-def _reply(exc: redis.exceptions.ResponseError) -> str:
-    """Redis's error reply as Redis wrote it (redis-py strips a known code such as ``OOM``)."""
-    code = exc.status_code
-    return f"{code} {exc}" if code and not str(exc).startswith(code) else str(exc)
-
-
-def _refused(exc: Exception) -> bool:
-    text = str(exc)
-    return any(word in text for word in ("WRONGPASS", "NOAUTH", "invalid password"))
-
-
-def _close(client: redis.Redis) -> None:
+def _close(client: redis.Redis, others: Sequence[redis.Redis] = ()) -> None:
     # A client given its own pool leaves the pool open on close(): disconnect it too.
-    client.close()
-    client.connection_pool.disconnect()
+    for each in (client, *others):
+        each.close()
+        each.connection_pool.disconnect()

@@ -1,7 +1,8 @@
 """Helpers for testing orchestrion and code built on it, as ``trio.testing`` is for trio.
 
 Models and ensembles built in one line (`model`, `ensemble`, `step`, ...), checks that a
-server is back at rest (`assert_idle`), a throwaway ``redis-server`` (`RedisServer`),
+server is back at rest (`assert_idle`), a throwaway ``redis-server`` (`RedisServer`), a
+Redis Cluster (`RedisClusterServers`) or Sentinels (`RedisSentinels`) of them,
 ``orchestrion serve`` in a child process (`start_server`) or both front ends inside a trio
 program (`front_ends`), and the mixed load the reliability tests and benchmarks share. The
 project's tests and ``bench/`` use them; nothing here imports pytest.
@@ -31,9 +32,18 @@ from ._mixed_load import check as check
 from ._mixed_load import embedding_round as embedding_round
 from ._mixed_load import grpc_inputs as grpc_inputs
 from ._mixed_load import http_call as http_call
+from ._netns import Hosts as Hosts
+from ._netns import netns_unavailable as netns_unavailable
 from ._redis import RedisServer as RedisServer
 from ._redis import free_port as free_port
 from ._redis import redis_binary as redis_binary
+from ._redis_cluster import RedisClusterServers as RedisClusterServers
+from ._redis_cluster import RedisSentinels as RedisSentinels
+from ._replica_load import Outcome as Outcome
+from ._replica_load import ReplicaLoad as ReplicaLoad
+from ._replica_load import percentile as percentile
+from ._replicas import ReplicaSite as ReplicaSite
+from ._replicas import haproxy_unavailable as haproxy_unavailable
 from ._served import Served as Served
 from ._served import follow_output as follow_output
 from ._served import get as get

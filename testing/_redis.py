@@ -37,17 +37,45 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; `start`, `kill` and `start` again on the same port."""
 
-    def __init__(self, workdir: Path, extra: Sequence[str] = (), *, tls: bool = False) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        workdir: Path,
+        extra: Sequence[str] = (),
+        *,
+        tls: bool = False,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        launcher: Sequence[str] = (),
+        sentinel_config: Path | None = None,
+    ) -> None:
+        """
+        Args:
+            workdir: Redis's working folder (nothing is saved there unless ``extra`` says).
+            extra: more ``redis-server`` arguments.
+            tls: listen with TLS only (``extra`` names the certificates).
+            host: the address to bind and announce.
+            port: the port (default: a free one on 127.0.0.1).
+            launcher: a command that runs the server (``ip netns exec <host>``).
+            sentinel_config: run a Sentinel with this (writable) config file instead.
+        """
+        self.port = port if port is not None else free_port()
+        self.host = host
         self.workdir = workdir
         self.extra = list(extra)
         self.tls = tls
+        self.launcher = list(launcher)
+        self.sentinel_config = sentinel_config
         self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port``."""
+        return f"{self.host}:{self.port}"
 
     @property
     def cache_config(self) -> list[str]:
         """``--cache-config`` values that point at this server."""
-        return ["redis,host=127.0.0.1", f"redis,port={self.port}"]
+        return [f"redis,host={self.host}", f"redis,port={self.port}"]
 
     def start(self) -> None:
         """Start the server and wait (at most 10 s) until it accepts connections."""
@@ -56,16 +84,18 @@ class RedisServer:
             if self.tls
             else ["--port", str(self.port)]
         )
+        # A Sentinel's config file comes first, and it saves nothing but that file.
+        first = [str(self.sentinel_config), "--sentinel"] if self.sentinel_config else []
+        persistence = [] if self.sentinel_config else ["--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen(
             [
+                *self.launcher,
                 redis_binary(),
+                *first,
                 *port,
                 "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
+                self.host,
+                *persistence,
                 "--dir",
                 str(self.workdir),
                 "--loglevel",
@@ -82,7 +112,7 @@ class RedisServer:
                 error = self.process.stdout.read().decode() if self.process.stdout else ""
                 raise RuntimeError(f"redis-server exited at start: {error}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.01)
@@ -106,7 +136,7 @@ class RedisServer:
         import redis  # here: only this method needs a client
 
         block = 64 << 10
-        client = redis.Redis(host="127.0.0.1", port=self.port)
+        client = redis.Redis(host=self.host, port=self.port)
         try:
             fillers = size // block
             for n in range(fillers):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -113,6 +114,7 @@ def start_server(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     files: int | None = None,
+    launcher: Sequence[str] = (),
 ) -> Served:
     """Start ``orchestrion serve`` on free ports and wait until it reports every endpoint.
 
@@ -122,6 +124,7 @@ def start_server(
         timeout: seconds the start may take.
         env: variables added to this process's environment.
         files: the child's limit of open descriptors (RLIMIT_NOFILE), if given.
+        launcher: a command that runs the server (``ip netns exec <host>``: another host).
 
     Raises:
         RuntimeError: the server exited before reporting every endpoint.
@@ -135,7 +138,7 @@ def start_server(
             resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
     process = subprocess.Popen(
-        serve_command(*flags, repository=repository),
+        [*launcher, *serve_command(*flags, repository=repository)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "COLUMNS": "200", **(env or {})},

@@ -95,3 +95,22 @@ def test_benchmark_runs(command: list[str], expected: list[str]) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     for text in expected:
         assert text in result.stdout
+
+
+def test_replicas_benchmark_runs() -> None:
+    """bench/replicas.py builds its hosts, prints its tables and removes them (root only)."""
+    from orchestrion.testing import haproxy_unavailable, netns_unavailable
+
+    why = netns_unavailable() or haproxy_unavailable()
+    if why:
+        pytest.skip(why)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "replicas.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for text in ("req/s", "gRPC p99 ms", "errors seen by clients"):
+        assert text in result.stdout
