@@ -5,6 +5,7 @@ from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import RepositoryEntry as RepositoryEntry
+from ._repository import is_model_folder as is_model_folder
 from ._repository import load_model_code as load_model_code
 from ._repository import scan_model_folder as scan_model_folder
 from ._repository import scan_repository as scan_repository
