@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -11,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 from orchestrion.protocols import DataType
 
 OPSET = 17
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "onnx_pipeline"
+"""The ONNX pipeline example (its ``network.py`` builds its classifier's graph)."""
 
 ELEMENT_TYPES = {
     DataType.BOOL: TensorProto.BOOL,
@@ -105,3 +110,16 @@ def model_folder(
     if config is not None:
         (folder / "config.pbtxt").write_text(config)
     return folder
+
+
+def example_network() -> ModuleType:
+    """The ONNX pipeline example's ``network.py``, its graph written into the example's
+    repository (as ``orchestrion run`` does first)."""
+    spec = importlib.util.spec_from_file_location("_onnx_example_network", EXAMPLE / "network.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.ensure_graph()
+    return module
