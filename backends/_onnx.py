@@ -430,6 +430,13 @@ def onnx_problems(model: Model, where: str, in_config: str) -> list[str]:
                 f"{in_config}: optional inputs ({', '.join(optional)}) of an ONNX model that "
                 "batches are not supported (as in Triton)"
             )
+    if isinstance(config.optimization, Mapping) and config.optimization.get(
+        "execution_accelerators"
+    ):
+        problems.append(
+            f"{in_config}: optimization execution_accelerators (TensorRT, OpenVINO, CUDA "
+            "options) are not supported: ONNX Runtime runs on its CPU or CUDA provider"
+        )
     texts = [t.name for t in config.input if t.data_type is DataType.BYTES]
     bf16 = [t.name for t in config.output if t.data_type is DataType.BF16]
     if texts and bf16:

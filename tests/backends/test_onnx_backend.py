@@ -223,6 +223,15 @@ async def test_a_parameter_onnx_runtime_cannot_take_is_a_load_error(
             pass
 
 
+async def test_execution_accelerators_are_refused_not_ignored() -> None:
+    """TensorRT or OpenVINO in ``optimization`` would be silently slower here: refused."""
+    accelerators = {"execution_accelerators": {"gpu_execution_accelerator": [{"name": "tensorrt"}]}}
+    model = _python_model(onnx_graphs.add(dims=(4,)), optimization=accelerators)
+    with pytest.raises(orchestrion.ConfigError, match="execution_accelerators .* not supported"):
+        async with orchestrion.open_server(models=[model]):
+            pass
+
+
 async def test_gpu_instances_without_cuda_are_a_clear_load_error() -> None:
     """``KIND_GPU`` where ONNX Runtime has no CUDA execution provider fails the load (as
     Triton fails a GPU instance without a GPU) and says what to install."""
