@@ -109,3 +109,16 @@ def test_validate_reports_the_disagreements(repository: Path) -> None:
     for name in ("corrupt", "missing", "wrong_name", "wrong_type", "wrong_rank"):
         assert f"{name}/" in done.stdout, done.stdout
     assert "good/" not in done.stdout
+
+
+def test_model_control_finds_folders_without_a_config(tmp_path: Path) -> None:
+    """Explicit mode's ``--load-model=*``, poll mode and the repository index see a folder
+    that is only ``1/model.onnx`` (or only a python model's ``1/model.py``) as a model;
+    a folder with neither is not one."""
+    from orchestrion.frontends._control import model_folders
+
+    onnx_graphs.model_folder(tmp_path, "onnx_only", onnx_graphs.add())
+    (tmp_path / "python_only" / "1").mkdir(parents=True)
+    (tmp_path / "python_only" / "1" / "model.py").write_text("class TritonPythonModel: ...\n")
+    (tmp_path / "notes" / "1").mkdir(parents=True)
+    assert [p.name for p in model_folders(tmp_path)] == ["onnx_only", "python_only"]
