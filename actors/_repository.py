@@ -240,6 +240,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     """
     config = entry.config
     config_source = entry.config_source or str(entry.path / CONFIG_FILE)
+    if not entry.config_source and not (entry.path / CONFIG_FILE).is_file():
+        config_source = f"{entry.path} (no {CONFIG_FILE})"
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
     if config.is_ensemble:
