@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .protocols import QueueTimeoutError as QueueTimeoutError
     from .protocols import RequestOptions as RequestOptions
     from .protocols import ServerClosedError as ServerClosedError
+    from .protocols import StepRefusedError as StepRefusedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
 
@@ -81,6 +82,7 @@ _WHERE = {
             "QueueTimeoutError",
             "RequestOptions",
             "ServerClosedError",
+            "StepRefusedError",
             "StepStatistics",
             "TensorConfig",
         )

@@ -153,6 +153,10 @@ class AioServer:
         """See `AsyncServer.model_versions`."""
         return await self._sync(self._server.model_versions, name)
 
+    async def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
+        """See `AsyncServer.output_labels`."""
+        return await self._sync(self._server.output_labels, name, version)
+
     async def is_decoupled(self, name: str) -> bool:
         """See `AsyncServer.is_decoupled`."""
         return await self._sync(self._server.is_decoupled, name)
@@ -189,6 +193,8 @@ async def open_server(
     metrics_host: str = "127.0.0.1",
     tracing: str | Sequence[str] | trace.TracerProvider | None = None,
     observers: Sequence[Observer] = (),
+    auto_complete_config: bool = True,
+    model_config_name: str = "",
 ) -> AsyncIterator[AioServer]:
     """Open an orchestrion server from asyncio code; models are ready on entry.
 
@@ -218,6 +224,8 @@ async def open_server(
         metrics_host=metrics_host,
         tracing=tracing,
         observers=observers,
+        auto_complete_config=auto_complete_config,
+        model_config_name=model_config_name,
     )
     loop = asyncio.get_running_loop()
     started: asyncio.Future[tuple[AsyncServer, TrioBridge, trio.lowlevel.TrioToken, trio.Event]]

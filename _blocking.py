@@ -53,6 +53,8 @@ class Server:
         metrics_host: str = "127.0.0.1",
         tracing: str | Sequence[str] | trace.TracerProvider | None = None,
         observers: Sequence[Observer] = (),
+        auto_complete_config: bool = True,
+        model_config_name: str = "",
     ) -> None:
         self._open = functools.partial(
             open_server,
@@ -64,6 +66,8 @@ class Server:
             metrics_host=metrics_host,
             tracing=tracing,
             observers=observers,
+            auto_complete_config=auto_complete_config,
+            model_config_name=model_config_name,
         )
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
@@ -205,6 +209,11 @@ class Server:
     def model_versions(self, name: str) -> list[int]:
         """See `AsyncServer.model_versions`."""
         result: list[int] = self._sync("model_versions", name)
+        return result
+
+    def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
+        """See `AsyncServer.output_labels`."""
+        result: Mapping[str, Sequence[str]] = self._sync("output_labels", name, version)
         return result
 
     def is_decoupled(self, name: str) -> bool:

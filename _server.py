@@ -23,7 +23,7 @@ import trio
 from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
-from .actors import Model, ModelRegistry
+from .actors import ConfigReading, Model, ModelRegistry
 from .actors._watchdog import watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
@@ -169,11 +169,11 @@ class AsyncServer:
         request = self._traced(request, options.traceparent)
         # Outputs leave the server as numpy arrays, whatever device computed them.
         if request.timeout is None:
-            return response_on_host(await self._registry.infer(request, strict_outputs=True))
+            return response_on_host(await self._registry.infer(request))
         with trio.move_on_after(request.timeout):
             # Work that cannot be interrupted (a synchronous execute) may finish late: its
             # result is then cancelled at the next checkpoint, and counted as a failure.
-            return response_on_host(await self._registry.infer(request, strict_outputs=True))
+            return response_on_host(await self._registry.infer(request))
         raise InferenceTimeoutError(
             f"request for model '{model_name}' timed out after {options.timeout} s"
         )
@@ -311,6 +311,8 @@ async def open_server(
     metrics_host: str = "127.0.0.1",
     tracing: str | Sequence[str] | trace.TracerProvider | None = None,
     observers: Sequence[Observer] = (),
+    auto_complete_config: bool = True,
+    model_config_name: str = "",
 ) -> AsyncIterator[AsyncServer]:
     """Open an orchestrion server in a nursery of its own; models are ready on entry.
 
@@ -332,6 +334,12 @@ async def open_server(
             the server owns the exporter and flushes it on exit), or an application's own
             ``TracerProvider``. None: no spans.
         observers: receivers of runtime events (metrics, traces, tests).
+        auto_complete_config: a python-backend model's ``auto_complete_config`` (an ONNX
+            model's graph) completes its repository config, and may stand in for a missing
+            ``config.pbtxt``; False
+            (Triton's ``--disable-auto-complete-config``): every folder needs a complete one.
+        model_config_name: read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt``
+            in the repository folders that have one (Triton's ``--model-config-name``).
 
     Raises:
         ConfigError: the repository, a config or the cache settings are invalid, or the
@@ -350,6 +358,7 @@ async def open_server(
             "plain code) use the blocking orchestrion.Server, see docs/guide.md"
         )
     settings = parse_cache_config(cache_config)
+    reading = ConfigReading(auto_complete=auto_complete_config, config_name=model_config_name)
     # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
     # the cache they used.
     async with contextlib.AsyncExitStack() as stack:
@@ -360,7 +369,7 @@ async def open_server(
             cache = await open_cache(settings)
             actor = await stack.enter_async_context(open_cache_actor(cache, settings.name))
         server = await stack.enter_async_context(
-            _open_models(model_repository, load_models, models, observers, actor, tracer)
+            _open_models(model_repository, load_models, models, observers, actor, tracer, reading)
         )
         if metrics_port is not None:
             server.metrics_url = await stack.enter_async_context(
@@ -400,6 +409,7 @@ async def _open_models(
     observers: Sequence[Observer],
     cache: CacheActor | None,
     tracing: RequestTracing | None,
+    reading: ConfigReading,
 ) -> AsyncIterator[AsyncServer]:
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
@@ -408,6 +418,7 @@ async def _open_models(
             nursery=nursery,
             observer=_observer(observers),
             repository=Path(model_repository) if model_repository is not None else None,
+            config_reading=reading,
             cache=cache,
             tracing=tracing,
         )

@@ -4,6 +4,8 @@ from ._definition import Model as Model
 from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._registry import ModelRegistry as ModelRegistry
+from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
+from ._repository import ConfigReading as ConfigReading
 from ._repository import RepositoryEntry as RepositoryEntry
 from ._repository import is_model_folder as is_model_folder
 from ._repository import load_model_code as load_model_code

@@ -165,9 +165,10 @@ class EnsembleRunner:
         """Run the pipeline for ``request`` (inputs already checked).
 
         Raises:
-            InferenceError: a step failed (first error wins). Outputs a composing model left
-                out are left out of the response (the embedding API reports the ones a
-                client asked for by name).
+            InferenceError: a step failed (first error wins); a `StepRefusedError` when a
+                step's model refused its request (a required input that an earlier step
+                left out, say). Outputs a composing model left out are left out of the
+                response, as in Triton.
             ServerClosedError: the ensemble is being unloaded or the server is stopping.
         """
         if self._closing:

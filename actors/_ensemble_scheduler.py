@@ -11,6 +11,11 @@ step's channel. A full channel blocks the sender, and the sender still holds its
 while it waits, so backpressure travels upstream to the client's ``infer`` call; memory stays
 bounded.
 
+An output a model leaves out of its answer arrives too, as nothing (Triton's rule): a step
+that takes it runs without it (its model refuses the request if it requires it: the run's
+error, which names the step that left the tensor out), and an ensemble output left out is
+left out of the response.
+
 A step that can run at once (its channel empty, a slot free, its model with an idle inline
 instance) runs in the task that made it ready instead, synchronously: the same limits and
 order, two task switches fewer (`Scheduler._advance`).
@@ -36,7 +41,6 @@ import trio
 
 from ..protocols import (
     EnsembleGraph,
-    InferenceError,
     InferRequest,
     InferResponse,
     ModelConfig,
@@ -45,6 +49,7 @@ from ..protocols import (
     StepPlan,
     StepStatistics,
 )
+from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_plans import Plan
 
 
@@ -53,7 +58,7 @@ class Router(Protocol):
     checks and statistics."""
 
     async def infer(
-        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
+        self, request: InferRequest, *, from_ensemble: bool = False
     ) -> InferResponse: ...
 
     def ready_now(self, request: InferRequest) -> bool: ...
@@ -89,6 +94,8 @@ class Run:
     """Tasks working for this run: cancelled when the client goes away."""
     blocked: set[trio.CancelScope] = attrs.field(factory=set)
     """Sends waiting for room downstream: given up as soon as the run is dead."""
+    left_out: set[str] | None = None
+    """Tensors a step's model left out of its answer (None: none so far)."""
 
     @property
     def dead(self) -> bool:
@@ -117,16 +124,6 @@ class Run:
 
 def _closed() -> ServerClosedError:
     return ServerClosedError("the server is shutting down")
-
-
-def step_failed(ensemble: str, plan: StepPlan, error: Exception) -> InferenceError:
-    """``error`` of a step's model as the ensemble reports it: prefixed with the step."""
-    wrapped = InferenceError(
-        f"in ensemble '{ensemble}', step[{plan.index}]: {error}",
-        model_name=plan.model_name,
-    )
-    wrapped.__cause__ = error
-    return wrapped
 
 
 @attrs.define(eq=False)
@@ -400,15 +397,25 @@ class Scheduler:
             run.step_done()
 
     def _deliver(self, run: Run, plan: StepPlan, response: InferResponse | None) -> list[int]:
-        """Put a step's outputs on the board; return the steps that just became ready."""
+        """Put a step's outputs on the board; return the steps that just became ready.
+
+        An output the step was asked for and left out counts as arrived, as in Triton: its
+        consumers run without it (their model refuses them if it requires it).
+        """
         if response is None or run.dead:
             return []
         ready = []
+        wanted = run.plan.step_outputs[plan.index]
         for output, tensor in plan.outputs:
             value = response.outputs.get(output)
-            if value is None:
+            if value is not None:
+                run.tensors[tensor] = value
+            elif output in wanted:
+                if run.left_out is None:
+                    run.left_out = set()
+                run.left_out.add(tensor)
+            else:
                 continue
-            run.tensors[tensor] = value
             for consumer in self.graph.consumers.get(tensor, ()):
                 if consumer in run.missing:
                     run.missing[consumer] -= 1
@@ -424,7 +431,8 @@ class Scheduler:
         return run.request.derive(
             model_name=plan.model_name,
             model_version=plan.model_version,
-            # An omitted optional ensemble input is simply not passed on.
+            # An omitted optional ensemble input, or a tensor a step left out, is simply
+            # not passed on.
             inputs={inp: tensors[t] for inp, t in plan.inputs if t in tensors},
             requested_outputs=run.plan.step_outputs[plan.index],
         )
@@ -445,7 +453,8 @@ class Scheduler:
                 self.config.name, plan.index, plan.model_name, request, error
             )
         if isinstance(error, Exception):
-            run.fail(step_failed(self.config.name, plan, error))
+            note = left_out_note(self.graph, plan, run.left_out)
+            run.fail(step_failed(self.config.name, plan, error, note))
 
     async def _call_model(
         self, step: Step, run: Run, request: InferRequest

@@ -11,7 +11,7 @@ downstream, so memory holds one iteration per stream, whatever the producer's sp
 Each step still honours its ``max_inflight_requests`` across every stream and request of the
 ensemble: a streamed step holds one of its step's stream slots while it runs (`Step`), and
 counts as in flight in the step's statistics. Its model's errors leave prefixed with the
-step, as the scheduler reports them.
+step, as the scheduler reports them, and so do outputs a model leaves out (see `iterate`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from ..protocols import (
     ServerClosedError,
     StepPlan,
 )
+from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_plans import Plan
-from ._ensemble_scheduler import Scheduler, Step, step_failed
+from ._ensemble_scheduler import Scheduler, Step
 
 
 @attrs.define(eq=False)
@@ -42,68 +43,96 @@ class EnsembleStreams:
     """The ensemble's steps (their slots and counts) and its router."""
 
     async def iterate(
-        self, request: InferRequest, plan: Plan, order: list[int], tensors: dict[str, Any]
+        self,
+        request: InferRequest,
+        plan: Plan,
+        order: list[int],
+        tensors: dict[str, Any],
+        left_out: frozenset[str] = frozenset(),
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """Run ``order`` on ``tensors``; a decoupled step forks one iteration per response."""
+        """Run ``order`` on ``tensors``; a decoupled step forks one iteration per response.
+
+        ``left_out``: the tensors a step's model left out of its answer so far. As on the
+        scheduler's path, a step that takes one runs without it (an error when its model
+        requires it), and an ensemble output left out is missing from the response.
+        """
         router = self.scheduler.router
         for position, index in enumerate(order):
             step = self.scheduler.steps[index]
             plan_step = step.plan
+            wanted = plan.step_outputs[index]
             step_request = request.derive(
                 model_name=plan_step.model_name,
                 model_version=plan_step.model_version,
                 inputs={i: tensors[t] for i, t in plan_step.inputs if t in tensors},
-                requested_outputs=plan.step_outputs[index],
+                requested_outputs=wanted,
             )
             if router.decoupled(plan_step.model_name):
-                async with contextlib.aclosing(self._stream_step(step, step_request)) as produced:
-                    async for response in produced:
+                produced = self._stream_step(step, step_request, left_out)
+                async with contextlib.aclosing(produced) as responses:
+                    async for response in responses:
                         branch = dict(tensors)
-                        branch.update(self._mapped(plan_step, response))
+                        lost = self._mapped(plan_step, wanted, response, branch)
                         rest = order[position + 1 :]
                         async with contextlib.aclosing(
-                            self.iterate(request, plan, rest, branch)
+                            self.iterate(request, plan, rest, branch, left_out | lost)
                         ) as runs:
                             async for done in runs:
                                 yield done
                 return
-            response = await self._step_once(step, step_request)
-            tensors.update(self._mapped(plan_step, response))
+            response = await self._step_once(step, step_request, left_out)
+            left_out |= self._mapped(plan_step, wanted, response, tensors)
         yield tensors
 
     @staticmethod
-    def _mapped(plan: StepPlan, response: InferResponse) -> dict[str, Any]:
-        return {t: response.outputs[o] for o, t in plan.outputs if o in response.outputs}
+    def _mapped(
+        plan: StepPlan, wanted: frozenset[str], response: InferResponse, tensors: dict[str, Any]
+    ) -> frozenset[str]:
+        """Put the step's outputs in ``tensors``; the tensors it was asked for and left out."""
+        lost = []
+        for output, tensor in plan.outputs:
+            value = response.outputs.get(output)
+            if value is not None:
+                tensors[tensor] = value
+            elif output in wanted:
+                lost.append(tensor)
+        return frozenset(lost)
 
     @contextlib.asynccontextmanager
-    async def _streamed(self, step: Step) -> AsyncIterator[None]:
-        """Hold one of the step's stream slots; its model's errors leave prefixed with it."""
+    async def _streamed(self, step: Step, left_out: frozenset[str]) -> AsyncIterator[None]:
+        """Hold one of the step's stream slots; its model's errors leave prefixed with it
+        (and with the tensors it takes that an earlier step left out)."""
         slots = step.stream_slots
         if slots is not None:
             await slots.acquire()
         step.in_flight += 1
-        name = self.scheduler.config.name
+        scheduler = self.scheduler
+        name = scheduler.config.name
         try:
             yield
         except InferenceError as exc:
-            raise step_failed(name, step.plan, exc) from exc.__cause__
+            note = left_out_note(scheduler.graph, step.plan, left_out)
+            raise step_failed(name, step.plan, exc, note) from exc.__cause__
         except (InvalidRequestError, ServerClosedError) as exc:
-            raise step_failed(name, step.plan, exc) from exc
+            note = left_out_note(scheduler.graph, step.plan, left_out)
+            raise step_failed(name, step.plan, exc, note) from exc
         finally:
             step.in_flight -= 1
             if slots is not None:
                 slots.release()
 
-    async def _step_once(self, step: Step, request: InferRequest) -> InferResponse:
-        async with self._streamed(step):
+    async def _step_once(
+        self, step: Step, request: InferRequest, left_out: frozenset[str]
+    ) -> InferResponse:
+        async with self._streamed(step, left_out):
             return await self.scheduler.router.infer(request, from_ensemble=True)
 
     async def _stream_step(
-        self, step: Step, request: InferRequest
+        self, step: Step, request: InferRequest, left_out: frozenset[str]
     ) -> AsyncGenerator[InferResponse, None]:
         """A decoupled step's responses; it holds one of the step's slots while it runs."""
         async with (
-            self._streamed(step),
+            self._streamed(step, left_out),
             contextlib.aclosing(self.scheduler.router.stream_infer(request)) as responses,
         ):
             async for response in responses:

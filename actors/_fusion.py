@@ -26,9 +26,11 @@ returns outputs that break its config is run again by the scheduler, which repor
 naming the step), timeouts and cancellation (a fused request is as uninterruptible as an
 inline step, and a late result is cancelled), and the statistics (each composing model
 counts its requests and executions). Anything unusual takes the scheduler's path instead:
-a subset of the outputs requested, an omitted optional input, an observer or tracing
-configured, a composing model reloaded (the fusion is rebuilt), busy, queued or in a worker
-thread, or calls that turn slow (above the inline threshold three times in a row).
+a subset of the outputs requested, an omitted optional input, a required input that a step
+left out of its answer (the scheduler reports it), an observer or tracing configured, a
+composing model reloaded (the fusion is rebuilt), busy, queued or in a worker thread, or
+calls that turn slow (above the inline threshold three times in a row). An optional input
+a step left out is simply not passed on, as on the scheduler's path.
 
 When every step batches dynamically (no queue delay, priorities or queue policy), the
 requests that arrive in one scheduling pass are gathered into one fused call (`gather`).
@@ -142,9 +144,9 @@ class Fusion:
     """Signatures that cannot be fused (a step's outputs break its config, or tracing
     failed): the scheduler runs them."""
     _compiling: set[Signature] = attrs.field(init=False, factory=set)
-    _ran: dict[Signature, tuple[ModelRunner, ...]] = attrs.field(init=False, factory=dict)
-    """For each ready signature, the steps that run (a step whose input a producer leaves
-    out does not, as on the scheduler's path): they count the request."""
+    _required: tuple[frozenset[str], ...] = attrs.field(init=False)
+    """Each step's required inputs: a step whose required input a producer left out takes
+    the scheduler's path, which reports the error."""
     _slow_streak: int = 0
     slow: bool = False
     """The fused call took longer than an inline step may, three times in a row."""
@@ -172,6 +174,9 @@ class Fusion:
             sizes = [set(r.backend.padded_sizes or (self.max_batch,)) for r in self.runners]
             self._pads = tuple(sorted(set.intersection(*sizes)))
         self._params = tuple(r.instances[0].loaded.params for r in self.runners)
+        self._required = tuple(
+            frozenset(t.name for t in r.config.input if not t.optional) for r in self.runners
+        )
         self._traceables = tuple(r.backend.traceable() for r in self.runners)
         if self.mode is FusionMode.XLA:
             self._call = jax.jit(self._traced)
@@ -191,15 +196,12 @@ class Fusion:
 
     def _steps(self, params: tuple[Any, ...], inputs: Mapping[str, Any]) -> list[Any]:
         """Trace the steps in order (mode "xla"): each step's (arguments, outputs), then
-        the ensemble's outputs. As on the scheduler's path, a step runs only when every
-        tensor it takes has been produced."""
+        the ensemble's outputs. As on the scheduler's path, a tensor a producer left out is
+        not passed on (a required one makes `_check_and_compile` refuse the signature)."""
         board = dict(inputs)
         produced: list[Any] = []
         for plan, execute, own in zip(self.order, self._traceables, params, strict=True):
-            if any(tensor not in board for _, tensor in plan.inputs):
-                produced.append(({}, {}))  # a producer left an input out: the step waits forever
-                continue
-            args = {name: board[tensor] for name, tensor in plan.inputs}
+            args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
             result = dict(execute(own, **args))
             produced.append((args, result))
             for name, tensor in plan.outputs:
@@ -270,11 +272,9 @@ class Fusion:
         rows = next(iter(inputs.values())).shape[0] if self.max_batch else None
         try:
             *steps, _ = jax.eval_shape(self._steps, self._params, inputs)
-            ran = []
             for runner, (args, outputs) in zip(self.runners, steps, strict=True):
-                ran.append(runner if args else None)
                 config = runner.model.config
-                if args and _abstract_problem(config, args, "input") is not None:
+                if _abstract_problem(config, args, "input") is not None:
                     return False  # the scheduler refuses the step's request, and says why
                 if _abstract_problem(config, outputs, "output") is not None:
                     return False
@@ -284,7 +284,6 @@ class Fusion:
             jax.block_until_ready(self._call(self._params, inputs))  # type: ignore[no-untyped-call]
         except Exception:  # whatever tracing raised: the scheduler runs (and reports) it
             return False
-        self._ran[self.signature(inputs)] = tuple(r for r in ran if r is not None)
         return True
 
     def run(
@@ -323,9 +322,8 @@ class Fusion:
         finally:
             holder.runs = outer
         elapsed = time.perf_counter_ns() - started
-        ran = self._ran[signature]
-        share = elapsed // max(len(ran), 1)
-        for runner in ran:
+        share = elapsed // len(self.runners)
+        for runner in self.runners:
             for count in rows:
                 runner.stats.request_finished(None, share, count)
             runner.stats.execution_finished(0, 0, share, 0, requests=len(rows))
@@ -348,10 +346,10 @@ class Fusion:
         outer = holder.runs
         board = dict(inputs)
         done = []
-        for plan, runner in zip(self.order, self.runners, strict=True):
-            if any(tensor not in board for _, tensor in plan.inputs):
-                continue  # a producer left this step's input out: it never runs
-            args = {name: board[tensor] for name, tensor in plan.inputs}
+        for plan, runner, required in zip(self.order, self.runners, self._required, strict=True):
+            args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
+            if len(args) != len(plan.inputs) and not required <= args.keys():
+                return None  # a producer left a required input out: the scheduler says so
             instances = runner.pool.all
             if len(instances) == 1:  # the common case, without a generator per step
                 instance = instances[0]

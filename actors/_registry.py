@@ -43,6 +43,7 @@ from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
 from ._loaded_models import LoadedModels, Runner
+from ._repository import AUTO_COMPLETE, ConfigReading
 from ._repository_reader import read_repository
 from ._request_router import RequestRouter, caches
 from ._runner import ModelRunner
@@ -79,6 +80,8 @@ class ModelRegistry:
     observer: Observer | None
     """Receives runtime events; None when nobody listens (the hot path skips the calls)."""
     repository: Path | None = None
+    config_reading: ConfigReading = AUTO_COMPLETE
+    """How the repository's configs are found and completed."""
     cache: CacheActor | None = None
     """The server's response cache; None when the server has none."""
     tracing: RequestTracing | None = None
@@ -154,20 +157,15 @@ class ModelRegistry:
 
     # -- requests (`RequestRouter`) --------------------------------------------------------
 
-    async def infer(
-        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
-    ) -> InferResponse:
+    async def infer(self, request: InferRequest, *, from_ensemble: bool = False) -> InferResponse:
         """Check ``request`` against its model's config and run it (`RequestRouter.infer`).
 
         Raises:
             ModelNotFoundError: unknown model or version.
             InvalidRequestError: bad inputs or requested outputs (nothing ran).
-            InferenceError: the model or a step of the ensemble failed, or (strict) a
-                requested output was left out.
+            InferenceError: the model or a step of the ensemble failed.
         """
-        return await self._router.infer(
-            request, strict_outputs=strict_outputs, from_ensemble=from_ensemble
-        )
+        return await self._router.infer(request, from_ensemble=from_ensemble)
 
     def stream_infer(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
         """The responses of a decoupled model to ``request``, as they come (a model that is
@@ -430,4 +428,6 @@ class ModelRegistry:
         """
         if self.repository is None:
             raise ConfigError("no model repository was configured")
-        return await read_repository(self.repository, names, self._models)
+        return await read_repository(
+            self.repository, names, self._models, reading=self.config_reading
+        )

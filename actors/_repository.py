@@ -8,7 +8,10 @@ without ``config.pbtxt`` is a Triton python model (a ``model.py``) or an ONNX mo
 ``model.onnx``), whose config is completed at load, as Triton does. `scan_repository` reads
 configs only and reports every problem it finds; `load_model_code` imports one version's
 ``model.py`` (or reads its ONNX graph), and fingerprints the config and the version folder
-(`revision`), so that cached answers never outlive the code.
+(`revision`), so that cached answers never outlive the code. `ConfigReading` holds Triton's
+server-wide rules for configs: whether they may be auto-completed (a python-backend model's
+``auto_complete_config``, an ONNX model's graph, a folder without ``config.pbtxt``), and
+which file of a folder is its config (``--model-config-name``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,44 @@ DEFAULT_ONNX_FILE = "model.onnx"
 _log = logging.getLogger("orchestrion")
 
 
+def _config_name(value: str) -> str:
+    if value and (Path(value).name != value or value in (".", "..") or " " in value):
+        raise ConfigError(
+            f"--model-config-name: {value!r} is not a plain file name (configs/<name>.pbtxt)"
+        )
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class ConfigReading:
+    """How the server finds and completes model configs (Triton's server-wide flags).
+
+    Raises:
+        ConfigError: ``config_name`` is not a plain file name.
+    """
+
+    auto_complete: bool = True
+    """A python-backend model's ``auto_complete_config`` (an ONNX model's graph) completes
+    its config, and may stand in for a missing ``config.pbtxt``. False (Triton's
+    ``--disable-auto-complete-config``, ``--strict-model-config=true``): every model folder
+    needs its complete config file (an ONNX model's is still checked against its graph)."""
+    config_name: str = attrs.field(default="", converter=_config_name)
+    """Read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt`` in the folders that
+    have one (Triton's ``--model-config-name``); "": always ``config.pbtxt``."""
+
+    def config_file(self, folder: Path) -> str:
+        """The config file of ``folder``, relative to it (it may not exist)."""
+        if self.config_name:
+            custom = f"configs/{self.config_name}.pbtxt"
+            if (folder / custom).is_file():
+                return custom
+        return CONFIG_FILE
+
+
+AUTO_COMPLETE = ConfigReading()
+"""Triton's defaults: configs are auto-completed, and read from ``config.pbtxt``."""
+
+
 @attrs.frozen(kw_only=True)
 class RepositoryEntry:
     """One model folder of a repository, its config read and its versions chosen."""
@@ -49,6 +90,12 @@ class RepositoryEntry:
     """The versions ``version_policy`` selects, ascending."""
     config_source: str = ""
     """Where the config came from, for error messages ("": the folder's ``config.pbtxt``)."""
+    config_file: str = CONFIG_FILE
+    """The folder's config file, relative to it (``configs/<name>.pbtxt`` with
+    ``--model-config-name``)."""
+    auto_complete: bool = True
+    """Whether a python-backend model's ``auto_complete_config`` (an ONNX model's graph)
+    completes the config."""
 
     def model_file(self, version: int) -> Path:
         """The code file of ``version`` (an ONNX model's graph; a folder of that name holds
@@ -101,25 +148,34 @@ def is_model_folder(path: Path) -> bool:
 
 
 def scan_model_folder(
-    path: Path, override: ModelConfig | None = None, *, override_source: str = ""
+    path: Path,
+    override: ModelConfig | None = None,
+    *,
+    override_source: str = "",
+    reading: ConfigReading = AUTO_COMPLETE,
 ) -> tuple[RepositoryEntry | None, list[str]]:
     """Read one model folder: its config and its version folders.
 
     Args:
         override: the config to use instead of the folder's ``config.pbtxt`` (a load
             request's), named ``override_source`` in errors.
+        reading: how the folder's config is found and completed.
     """
-    config_path = path / CONFIG_FILE
+    config_file = reading.config_file(path)
+    config_path = path / config_file
     config_source = str(config_path)
     if override is not None:
         config, config_source = override, override_source
     elif not config_path.is_file():
-        found = _without_config(path)
+        found = _without_config(path) if reading.auto_complete else None
         if found is None:
             return None, [
                 f"{config_path}: missing (every model folder needs a {CONFIG_FILE}, except "
                 "a Triton python model whose model.py completes its config, and an ONNX "
                 f"model, whose {DEFAULT_ONNX_FILE} does)"
+                if reading.auto_complete
+                else f"{config_path}: missing (auto-complete is disabled: every model "
+                f"folder needs a complete {CONFIG_FILE})"
             ]
         config = found
     else:
@@ -158,6 +214,8 @@ def scan_model_folder(
         path=path,
         versions=versions,
         config_source="" if override is None else config_source,
+        config_file=config_file,
+        auto_complete=reading.auto_complete,
     )
     if not config.is_ensemble:
         for version in versions:
@@ -168,7 +226,9 @@ def scan_model_folder(
     return entry, errors
 
 
-def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
+def scan_repository(
+    root: Path, *, reading: ConfigReading = AUTO_COMPLETE
+) -> tuple[list[RepositoryEntry], list[str]]:
     """Read every model folder under ``root``.
 
     Returns:
@@ -185,7 +245,7 @@ def scan_repository(root: Path) -> tuple[list[RepositoryEntry], list[str]]:
         ]
     entries, errors = [], []
     for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        entry, problems = scan_model_folder(path)
+        entry, problems = scan_model_folder(path, reading=reading)
         errors.extend(problems)
         if entry is not None:
             entries.append(entry)
@@ -239,8 +299,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         ConfigError: the file breaks the ``model.py`` contract.
     """
     config = entry.config
-    config_source = entry.config_source or str(entry.path / CONFIG_FILE)
-    if not entry.config_source and not (entry.path / CONFIG_FILE).is_file():
+    config_source = entry.config_source or str(entry.path / entry.config_file)
+    if not entry.config_source and not (entry.path / entry.config_file).is_file():
         config_source = f"{entry.path} (no {CONFIG_FILE})"
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
@@ -258,7 +318,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):
-        config = auto_complete(triton_model, config, config_source)
+        if entry.auto_complete:
+            config = auto_complete(triton_model, config, config_source)
         model = Model(
             config=config,
             triton_model=triton_model,
@@ -273,7 +334,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         if errors:
             raise ConfigError(errors)
         return model
-    if not entry.config_source and not (entry.path / CONFIG_FILE).is_file():
+    if not entry.config_source and not (entry.path / entry.config_file).is_file():
         raise ConfigError(
             f"{entry.path / CONFIG_FILE}: missing (only a model.py that defines "
             "TritonPythonModel can do without one)"
@@ -311,7 +372,9 @@ def _onnx_model(
     """
     path = entry.model_file(version)
     model = Model(
-        config=complete_onnx_config(entry.config, path, config_source),
+        config=complete_onnx_config(
+            entry.config, path, config_source, complete=entry.auto_complete
+        ),
         onnx=path,
         version=version,
         source=str(path),

@@ -10,6 +10,7 @@ reporting every failure together.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Sequence
 from pathlib import Path
 
@@ -17,23 +18,39 @@ import trio
 
 from ..protocols import ConfigError, ModelLoadError
 from ._definition import Model
-from ._repository import RepositoryEntry, load_model_code, scan_model_folder, scan_repository
+from ._repository import (
+    AUTO_COMPLETE,
+    ConfigReading,
+    RepositoryEntry,
+    load_model_code,
+    scan_model_folder,
+    scan_repository,
+)
 
 
 async def read_repository(
-    root: Path, names: Sequence[str] | None, loaded: Container[str]
+    root: Path,
+    names: Sequence[str] | None,
+    loaded: Container[str],
+    *,
+    reading: ConfigReading = AUTO_COMPLETE,
 ) -> list[Model]:
     """Read models from the repository folder ``root``: all of them, or ``names`` plus the
-    composing models their ensembles need that are not in ``loaded``.
+    composing models their ensembles need that are not in ``loaded`` (configs found and
+    completed as ``reading`` says).
 
     Raises:
         ConfigError: the repository or a config is wrong (files and fields named).
         ModelLoadError: a ``model.py`` failed to import.
     """
     if names is None:
-        entries, errors = await trio.to_thread.run_sync(scan_repository, root)
+        entries, errors = await trio.to_thread.run_sync(
+            functools.partial(scan_repository, root, reading=reading)
+        )
     else:
-        entries, errors = await trio.to_thread.run_sync(scan_closure, root, list(names), loaded)
+        entries, errors = await trio.to_thread.run_sync(
+            functools.partial(scan_closure, root, list(names), loaded, reading=reading)
+        )
     if errors:
         raise ConfigError(errors)
     return await trio.to_thread.run_sync(load_code, entries)
@@ -44,6 +61,8 @@ def scan_closure(
     names: list[str],
     loaded: Container[str],
     found: Sequence[RepositoryEntry] = (),
+    *,
+    reading: ConfigReading = AUTO_COMPLETE,
 ) -> tuple[list[RepositoryEntry], list[str]]:
     """The model folders ``names`` of ``root``, and those of the composing models their
     ensembles (and those of ``found``, folders read already) use that are not in
@@ -63,7 +82,7 @@ def scan_closure(
         if folder is None:
             errors.append(f"{root or 'the server'}: has no model folder {name!r:.80}")
             continue
-        scanned, problems = scan_model_folder(folder)
+        scanned, problems = scan_model_folder(folder, reading=reading)
         errors.extend(problems)
         if scanned is None:
             continue

@@ -28,7 +28,6 @@ from opentelemetry.trace import Span
 from ..backends import host_tensors, response_on_host
 from ..caches import CacheActor, Flight
 from ..protocols import (
-    InferenceError,
     InferRequest,
     InferResponse,
     InvalidRequestError,
@@ -45,17 +44,6 @@ from ._ensemble import EnsembleRunner
 from ._ensemble_fusion import fusable
 from ._loaded_models import LoadedModels, Runner
 from ._runner import ModelRunner, batch_size
-
-
-def _check_requested(request: InferRequest, response: InferResponse) -> None:
-    wanted = request.requested_outputs
-    if wanted is not None and not wanted <= response.outputs.keys():
-        lost = ", ".join(f"'{o}'" for o in sorted(wanted - response.outputs.keys()))
-        raise InferenceError(
-            f"model '{request.model_name}' did not produce the requested outputs {lost} (a "
-            "model left them out of its result)",
-            model_name=request.model_name,
-        )
 
 
 def caches(config: ModelConfig) -> bool:
@@ -167,23 +155,21 @@ class RequestRouter:
                 runner.config.name, runner.version, request, error, duration
             )
 
-    async def infer(
-        self, request: InferRequest, *, strict_outputs: bool = False, from_ensemble: bool = False
-    ) -> InferResponse:
+    async def infer(self, request: InferRequest, *, from_ensemble: bool = False) -> InferResponse:
         """Check ``request`` against its model's config and run it.
+
+        A requested output the model leaves out of its answer is left out of the response,
+        as Triton does (a python-backend model may answer with fewer outputs).
 
         Args:
             request: the request.
-            strict_outputs: a requested output the model leaves out is an error (for a
-                client that named it; an ensemble step just leaves it out).
             from_ensemble: the request is an ensemble step's: a leading batch of 1 is added
                 or removed where only one side batches (Triton's rule inside ensembles).
 
         Raises:
             ModelNotFoundError: unknown model or version.
             InvalidRequestError: bad inputs or requested outputs (nothing ran).
-            InferenceError: the model or a step of the ensemble failed, or (strict) a
-                requested output was left out.
+            InferenceError: the model or a step of the ensemble failed.
         """
         try:
             runner, request = self._admit(request, from_ensemble)
@@ -196,9 +182,7 @@ class RequestRouter:
             self._rejected(request, exc)
             raise
         if self.cache is not None and caches(runner.config):
-            return await self._infer_cached(
-                self.cache, runner, request, strict_outputs, from_ensemble
-            )
+            return await self._infer_cached(self.cache, runner, request, from_ensemble)
         # Short synchronous work on an idle instance runs here, between a cancellation check
         # and a checkpoint, instead of making a trip through the model's queue.
         now = runner.ready_now(request.inputs)
@@ -220,8 +204,6 @@ class RequestRouter:
                     # The answer came from another task; a deadline that passed meanwhile
                     # has been seen by now: a late result is cancelled, not returned.
                     await trio.lowlevel.checkpoint_if_cancelled()
-            if strict_outputs:
-                _check_requested(request, response)
         except BaseException as exc:
             self._finished(runner, request, start, exc, span)
             raise
@@ -233,7 +215,6 @@ class RequestRouter:
         cache: CacheActor,
         runner: Runner,
         request: InferRequest,
-        strict_outputs: bool,
         from_ensemble: bool,
     ) -> InferResponse:
         start, request, span = self._started(runner, request, from_ensemble)
@@ -288,8 +269,6 @@ class RequestRouter:
                     response = await self._run_for_cache(runner, request, flight)
             finally:
                 flight.release()
-            if strict_outputs:
-                _check_requested(request, response)
         except BaseException as exc:
             self._finished(runner, request, start, exc, span, hit)
             raise
@@ -321,7 +300,7 @@ class RequestRouter:
             self._rejected(request, exc)
             raise
         if not self.models.decoupled(runner.config.name):
-            yield await self.infer(request, strict_outputs=True)
+            yield await self.infer(request)
             return
         start, request, span = self._started(runner, request, False)
         error: BaseException | None = None

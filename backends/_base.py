@@ -67,7 +67,7 @@ class Capabilities:
 class ServerCalls(Protocol):
     """What a model's code may call on the server it runs in (Triton's BLS)."""
 
-    async def infer(self, request: InferRequest, *, strict_outputs: bool = False) -> InferResponse:
+    async def infer(self, request: InferRequest) -> InferResponse:
         """Run ``request`` on a loaded model or ensemble, as a client's request would run."""
         ...
 

@@ -30,9 +30,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 from ..protocols import (
+    ONNX_BACKEND,
+    ONNX_PLATFORM,
     ConfigError,
     DataType,
     InferRequest,
@@ -113,9 +116,12 @@ def read_graph(session: Any) -> Graph:
     )
 
 
-def complete_onnx_config(config: ModelConfig, model_file: Path, config_source: str) -> ModelConfig:
+def complete_onnx_config(
+    config: ModelConfig, model_file: Path, config_source: str, *, complete: bool = True
+) -> ModelConfig:
     """A repository model's config, completed from the graph in ``model_file`` as Triton
-    does and checked against it (runs in a worker thread: it opens the graph).
+    does (unless ``complete`` is False: Triton's ``--disable-auto-complete-config``) and
+    checked against it (runs in a worker thread: it opens the graph).
 
     Raises:
         ModelLoadError: ONNX Runtime is missing or cannot load the file.
@@ -126,7 +132,10 @@ def complete_onnx_config(config: ModelConfig, model_file: Path, config_source: s
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # only read
     graph = read_graph(open_session(ort, model_file, options, [_CPU]))
-    completed = complete_config(config, graph, config_source)
+    if complete:
+        completed = complete_config(config, graph, config_source)
+    else:
+        completed = attrs.evolve(config, platform=ONNX_PLATFORM, backend=ONNX_BACKEND)
     where = f"{config_source} (model '{config.name}')"
     problems = graph_problems(graph, f"{model_file} (model '{config.name}')")
     problems += config_problems(completed, graph, config_source, str(model_file))

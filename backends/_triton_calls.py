@@ -198,7 +198,7 @@ class Execution:
             wire = request.as_request(self.parent)
             timeout = request.timeout()
             with trio.fail_after(timeout / 1e6) if timeout else contextlib.nullcontext():
-                return model_response(await calls.infer(wire, strict_outputs=True))
+                return model_response(await calls.infer(wire))
         except trio.TooSlowError:
             return InferenceResponse(
                 error=TritonError("Request timeout expired", TritonError.UNAVAILABLE)

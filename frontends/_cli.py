@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import signal
 import sys
 import time
@@ -35,7 +34,9 @@ from ..protocols import (
 from ..protocols._errors import ungrouped
 from ._cli_flags import add_serve_flags, serve_settings
 from ._cli_run import add_run_flags, run_command
+from ._cli_triton_flags import HelpFormatter
 from ._control import Shutdown
+from ._logging import configure_logging
 from ._serve import Endpoints, ServeOptions, serve
 
 _DESCRIPTION = (
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="serve a model repository over HTTP and gRPC (KServe v2, as Triton) until Ctrl-C",
+        formatter_class=HelpFormatter,
     )
     add_serve_flags(serve)
     validate = commands.add_parser("validate", help="check a model repository, report every error")
@@ -74,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.model_repository, console)
         if args.command == "serve":
-            return trio.run(_serve, serve_settings(args, console), args.log_verbose, console)
+            options, logs = serve_settings(args, console)
+            configure_logging(logs)
+            return trio.run(_serve, options, console)
         return run_command(args, console)
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
         # Start-up errors leave `run` and `serve` as themselves (their nurseries are
@@ -83,15 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-async def _serve(options: ServeOptions, log_verbose: int, console: Console) -> int:
-    logging.basicConfig(
-        level=logging.DEBUG if log_verbose > 0 else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if log_verbose == 0:
-        # JAX reports at INFO each platform it probed and did not find ("Unable to initialize
-        # backend 'tpu'"): noise on every machine without one.
-        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+async def _serve(options: ServeOptions, console: Console) -> int:
     started = time.perf_counter()
     shutdown = Shutdown()
     async with ungrouped(trio.open_nursery()) as nursery:

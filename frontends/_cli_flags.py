@@ -2,10 +2,11 @@
 
 How this works: `add_server_flags` declares the cache and telemetry flags ``run`` and
 ``serve`` share, `add_serve_flags` Triton's ``tritonserver`` flags of ``serve``, one function
-per flag group (endpoints, limits, models). ``serve``'s flags have no defaults of their own:
-each is `ServeOptions`' (`_default`), so the command line and the embedding API cannot
-drift apart. Once parsed, `cache_settings` checks the cache flags (errors come before
-anything loads) and `serve_settings` turns ``serve``'s flags into `ServeOptions`.
+per flag group (endpoints, limits, models; the rest of Triton's flags, and its log flags, in
+`_cli_triton_flags`). ``serve``'s flags have no defaults of their own: each is
+`ServeOptions`' (`_default`), so the command line and the embedding API cannot drift apart.
+Once parsed, `cache_settings` checks the cache flags (errors come before anything loads) and
+`serve_settings` turns ``serve``'s flags into `ServeOptions` and `LogSettings`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import attrs
 from rich.console import Console
 
 from ..protocols import ConfigError, parse_cache_config
+from ._cli_triton_flags import add_triton_flags, flag_value, triton_settings
 from ._control import ModelControlMode
 from ._http_server import MAX_DEFAULT_CONNECTIONS
+from ._logging import LogSettings
 from ._restricted import CATEGORIES
 from ._serve import LOOPBACK, ServeOptions
 
@@ -36,14 +39,8 @@ def _mib(size: int) -> str:
     return f"{size / 2**20:g} MiB"
 
 
-def _flag(text: str) -> bool:
-    """Triton's boolean flag values (``--allow-metrics=false``)."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+_flag = flag_value
+"""Triton's boolean flag values (``--allow-metrics=false``)."""
 
 
 def add_server_flags(
@@ -112,22 +109,19 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     loopback addresses)."""
     serve.add_argument(
         "--model-repository",
+        "--model-store",
         required=True,
+        action="append",
         type=Path,
         metavar="DIR",
-        help="a Triton-layout model repository: DIR/<model>/config.pbtxt and version folders",
+        help="a Triton-layout model repository: DIR/<model>/config.pbtxt and version folders "
+        "(one; --model-store is Triton's other name for it)",
     )
     network = serve.add_argument_group("network (binds loopback unless told otherwise)")
     _add_endpoint_flags(network)
     _add_limit_flags(network)
     _add_model_flags(serve.add_argument_group("models"))
-    serve.add_argument(
-        "--log-verbose",
-        type=int,
-        default=0,
-        metavar="LEVEL",
-        help="0: INFO logging (the default); above 0: DEBUG",
-    )
+    add_triton_flags(serve)
     add_server_flags(
         serve,
         default_cache=_default("cache_config"),
@@ -314,15 +308,23 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
     )
 
 
-def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
-    """``serve``'s parsed flags as `ServeOptions` (cache warnings go to ``console``).
+def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOptions, LogSettings]:
+    """``serve``'s parsed flags as `ServeOptions` and `LogSettings` (warnings go to
+    ``console``: the cache's, and the ``tritonserver`` flags ignored).
 
     Raises:
-        ConfigError: malformed cache flags, or flags that contradict each other.
+        ConfigError: malformed cache flags, flags that contradict each other, or a refused
+            ``tritonserver`` flag.
     """
     host = args.host
-    return ServeOptions(
-        model_repository=args.model_repository,
+    if len(args.model_repository) > 1:
+        raise ConfigError(
+            "--model-repository (or --model-store) given more than once: orchestrion serves "
+            "one model repository (Triton merges several)"
+        )
+    triton = triton_settings(args, console)
+    options = ServeOptions(
+        model_repository=args.model_repository[0],
         http_address=args.http_address or host,
         http_port=args.http_port if args.allow_http else None,
         grpc_address=args.grpc_address or host,
@@ -333,6 +335,10 @@ def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         tracing=args.trace_config,
         model_control_mode=ModelControlMode(args.model_control_mode),
         load_models=tuple(args.load_model),
+        exit_on_error=triton.exit_on_error,
+        auto_complete_config=triton.auto_complete_config,
+        model_config_name=triton.model_config_name,
+        grpc_channel_args=triton.grpc_channel_args,
         strict_readiness=args.strict_readiness,
         exit_timeout=args.exit_timeout_secs,
         poll_interval=args.repository_poll_secs,
@@ -347,6 +353,7 @@ def serve_settings(args: argparse.Namespace, console: Console) -> ServeOptions:
         grpc_restricted_protocols=tuple(args.grpc_restricted_protocol),
         model_upload_max_size=args.model_upload_max_size,
     )
+    return options, triton.logs
 
 
 def cache_settings(

@@ -11,6 +11,12 @@ loaded and a removed one unloaded; the API is refused. Readiness (``/v2/health/r
 false while the server stops, and, with strict readiness, while a model that should be loaded
 is not.
 
+Triton's ``--exit-on-error=false``: the models are loaded one by one at start
+(`load_at_start` with ``exit_on_error=False``); those that fail are left out, logged, and
+listed ``UNAVAILABLE`` in the repository index with the reason (`failures`), and the server
+serves the others. Later failed loads (the API, poll mode) are listed the same way until the
+model loads.
+
 A `Shutdown` passed to `serve` and to the front ends stops them gracefully when requested: each
 stops taking new work at once, gives the work in flight its exit timeout, and returns.
 Cancelling them instead stops them at once, as trio's ``serve_listeners``.
@@ -28,10 +34,11 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..actors import find_model_folder, is_model_folder, load_code
+from ..actors import AUTO_COMPLETE, ConfigReading, find_model_folder, is_model_folder, load_code
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
+    LoadRequestError,
     ModelControlError,
     ModelLoadError,
     OrchestrionError,
@@ -124,8 +131,12 @@ class ModelControl:
     strict_readiness: bool = True
     uploads: UploadFolders = attrs.field(factory=UploadFolders)
     """Where the files of load requests are written (and their limits)."""
+    config_reading: ConfigReading = AUTO_COMPLETE
+    """How load requests find and complete configs (the server's own reading)."""
     _expected: set[str] = attrs.field(factory=set, init=False)
     """Models that should be serving (for strict readiness)."""
+    _failed: dict[str, str] = attrs.field(factory=dict, init=False)
+    """Models whose last load failed, and why (paths relative to the repository)."""
     _accepting: bool = attrs.field(default=True, init=False)
     _overrides: dict[str, _Override] = attrs.field(factory=dict, init=False)
     """Loaded models that differ from their repository folder, by name."""
@@ -151,6 +162,18 @@ class ModelControl:
         """Names of the repository's model folders (loaded or not)."""
         root = self.server.model_repository
         return [folder.name for folder in model_folders(root)] if root is not None else []
+
+    def failures(self) -> dict[str, str]:
+        """The models whose last load failed and are not loaded, with the reason (for the
+        repository index)."""
+        return dict(self._failed)
+
+    def _failed_to_load(self, name: str, error: Exception) -> None:
+        """Record that ``name`` failed to load, unless a version of it serves on (paths
+        relative to the repository, as a client sees them)."""
+        if name not in self.server.model_names():
+            root = self.server.model_repository
+            self._failed[name] = relative_paths(str(error), root, self.uploads.root)
 
     def _check_allowed(self, what: str) -> None:
         if self.mode is not ModelControlMode.EXPLICIT:
@@ -185,20 +208,28 @@ class ModelControl:
             if request.empty and await self._override_kept(name):
                 _log.info("model '%s' unchanged since its config override: kept", name)
                 return
-            plan = await plan_load(
-                name,
-                request,
-                root=self.server.model_repository,
-                loaded=set(self.server.model_names()),
-                uploads=self.uploads,
-            )
+            try:
+                plan = await plan_load(
+                    name,
+                    request,
+                    root=self.server.model_repository,
+                    loaded=set(self.server.model_names()),
+                    uploads=self.uploads,
+                    reading=self.config_reading,
+                )
+            except LoadRequestError as exc:
+                self._failed_to_load(name, exc)
+                raise
             try:
                 await self._load_planned(name, plan)
-            except BaseException:
+            except BaseException as exc:
                 if plan.upload is not None:
                     self.uploads.remove(plan.upload)  # small, and it must run if cancelled
+                if isinstance(exc, ModelLoadError):
+                    self._failed_to_load(name, exc)
                 raise
             self._expected.add(name)
+            self._failed.pop(name, None)
             previous = self._overrides.pop(name, None)
             if not request.empty:
                 self._overrides[name] = _Override(upload=plan.upload, folder=plan.fingerprint)
@@ -260,13 +291,41 @@ class ModelControl:
                     await trio.to_thread.run_sync(self.uploads.remove, held.upload)
         _log.info("unloaded model '%s'", name)
 
-    async def load_at_start(self, names: Sequence[str]) -> None:
-        """Explicit mode's ``--load-model`` names (``*``: the whole repository)."""
-        wanted = self.available() if "*" in names else list(dict.fromkeys(names))
+    async def load_at_start(self, names: Sequence[str], *, exit_on_error: bool = True) -> None:
+        """Load ``names`` (``*``: the whole repository) at start: explicit mode's
+        ``--load-model`` names, or, with ``exit_on_error=False``, what the server would load.
+
+        ``exit_on_error=False`` (Triton's ``--exit-on-error=false``): each folder is loaded on
+        its own (an ensemble with the composing models it needs), and one that fails is
+        logged and listed in `failures`; it still counts for strict readiness.
+
+        Raises:
+            ConfigError, ModelLoadError: a model failed to load (``exit_on_error`` only).
+        """
+        if "*" in names:
+            wanted = self._all_folders() if not exit_on_error else self.available()
+        else:
+            wanted = list(dict.fromkeys(names))
         for name in wanted:
             _check_name(name)
-            await self.server.load_model(name)
-        self._expected = set(self.server.model_names())
+            if not exit_on_error and name in self.server.model_names():
+                continue  # loaded already, as a composing model of an ensemble
+            try:
+                await self.server.load_model(name)
+            except (ConfigError, ModelLoadError) as exc:
+                if exit_on_error:
+                    raise
+                _log.error("failed to load model '%s': %s", name, exc)
+                self._failed_to_load(name, exc)
+        self._expected = set(self.server.model_names()) | self._failed.keys()
+
+    def _all_folders(self) -> list[str]:
+        """Every folder of the repository (as loading it whole reads them), by name: one
+        that is no model folder fails to load, as at a start that exits on errors."""
+        root = self.server.model_repository
+        if root is None or not root.is_dir():
+            return []
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     async def poll(self, interval: float, baseline: Mapping[str, object]) -> None:
         """Poll mode: apply repository changes every ``interval`` seconds, until cancelled.
@@ -287,6 +346,7 @@ class ModelControl:
     ) -> None:
         """Reload changed folders, load new ones and unload removed ones (poll mode)."""
         for name in sorted(before.keys() - after.keys()):
+            self._failed.pop(name, None)
             try:
                 await self.server.unload_model(name, unload_dependents=True)
                 self._expected.discard(name)
@@ -299,9 +359,14 @@ class ModelControl:
             try:
                 await self.server.load_model(name)
                 self._expected.add(name)
+                self._failed.pop(name, None)
                 _log.info("model folder '%s' changed: loaded", name)
             except OrchestrionError as exc:
                 _log.error("model folder '%s' changed, loading failed: %s", name, exc)
+                if isinstance(exc, ConfigError | ModelLoadError) and name not in (
+                    self.server.model_names()
+                ):
+                    self._failed_to_load(name, exc)
 
     def _fingerprints(self) -> dict[str, object]:
         """The served repository's `repository_fingerprints`."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -170,7 +170,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         def index() -> Any:
             loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
             available = self.control.available()
-            return repository_index_message(loaded, available, ready_only=request.ready)
+            return repository_index_message(
+                loaded, available, ready_only=request.ready, failed=self.control.failures()
+            )
 
         return await self._read(context, index)
 
@@ -328,10 +330,13 @@ async def serve_grpc_api(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     shared_memory: SharedMemory | None = None,
     restrictions: Restrictions | None = None,
+    channel_args: Sequence[tuple[str, int]] = (),
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
     ``shutdown`` is requested; reports the address it listens on through ``task_status``.
+    ``channel_args``: more of grpcio's server options (``("grpc.keepalive_time_ms",
+    60000)``: Triton's keepalive flags), over the defaults.
 
     ``address = await nursery.start(serve_grpc_api, server, control, version, host, port)``:
     ``port=0`` picks a free port (``address`` says which). Cancelling stops it at once (RPCs
@@ -357,7 +362,7 @@ async def serve_grpc_api(
             shared_memory or SharedMemory(),
             restrictions or Restrictions(),
         )
-        loop_thread = _LoopThread(service, address, max_message_size)
+        loop_thread = _LoopThread(service, address, max_message_size, tuple(channel_args))
         try:
             bound = await nursery.start(loop_thread.run)
         except BaseException as exc:
@@ -386,6 +391,8 @@ class _LoopThread:
     service: InferenceService
     address: str
     max_message_size: int
+    channel_args: tuple[tuple[str, int], ...] = ()
+    """grpcio server options over the defaults."""
     _loop: asyncio.AbstractEventLoop | None = None
     _stop: asyncio.Event | None = None
     _grace: float = 0.0
@@ -411,13 +418,13 @@ class _LoopThread:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         limit = self.max_message_size
-        grpc_server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
+        options = {
+            "grpc.max_receive_message_length": limit,
+            "grpc.max_send_message_length": limit,
+            "grpc.so_reuseport": 0,
+            **dict(self.channel_args),
+        }
+        grpc_server = grpc.aio.server(options=list(options.items()))
         grpc_server.add_generic_rpc_handlers((method_handlers(self.service),))
         try:
             port = grpc_server.add_insecure_port(self.address)

@@ -267,7 +267,8 @@ class HttpApi:
             if not isinstance(ready, bool):
                 raise InvalidRequestError("Invalid value for 'ready': expected a boolean")
             loaded = {n: self.server.model_versions(n) for n in self.server.model_names()}
-            return _json(repository_index(loaded, self.control.available(), ready_only=ready))
+            available, failed = self.control.available(), self.control.failures()
+            return _json(repository_index(loaded, available, ready_only=ready, failed=failed))
         match = _REPOSITORY_ROUTE.match(path)
         if match is None:
             raise _HttpError(404, f"no route for {path}")

@@ -12,6 +12,7 @@ are not loaded yet come from the repository, whichever way the ensemble came.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -20,7 +21,14 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..actors import RepositoryEntry, find_model_folder, scan_closure, scan_model_folder
+from ..actors import (
+    AUTO_COMPLETE,
+    ConfigReading,
+    RepositoryEntry,
+    find_model_folder,
+    scan_closure,
+    scan_model_folder,
+)
 from ..protocols import ConfigError, LoadRequestError, ModelConfig, format_model_config
 from ..protocols._model_load import (
     CONFIG_SOURCE,
@@ -53,6 +61,7 @@ async def plan_load(
     root: Path | None,
     loaded: set[str],
     uploads: UploadFolders,
+    reading: ConfigReading = AUTO_COMPLETE,
 ) -> LoadPlan:
     """Read and check what loading ``name`` with ``request`` loads (Triton's poll).
 
@@ -60,13 +69,17 @@ async def plan_load(
         root: the model repository.
         loaded: the models loaded now (composing models among them are not read again).
         uploads: where the request's files are written.
+        reading: how configs are found and completed (the server's auto-complete and
+            ``--model-config-name``).
 
     Raises:
         LoadRequestError: no such model folder, a config or override that is wrong, files
             that are refused; nothing is left on disk.
     """
     if request.empty:
-        entries, errors = await trio.to_thread.run_sync(scan_closure, root, [name], loaded)
+        entries, errors = await trio.to_thread.run_sync(
+            functools.partial(scan_closure, root, [name], loaded, reading=reading)
+        )
         return _checked(name, LoadPlan(entries=entries), errors, root, uploads)
     if request.config is None:
         raise LoadRequestError(
@@ -76,7 +89,9 @@ async def plan_load(
         )
     config = override_config(name, request.config)
     if not request.files:
-        return await trio.to_thread.run_sync(_plan_config_override, name, config, root, loaded)
+        return await trio.to_thread.run_sync(
+            _plan_config_override, name, config, root, loaded, reading
+        )
     problems = upload_problems(request.files, uploads.limits)
     if problems:
         raise LoadRequestError(name, "; ".join(problems))
@@ -84,7 +99,9 @@ async def plan_load(
         uploads.write, name, format_model_config(config), request.files
     )
     try:
-        entries, errors = await trio.to_thread.run_sync(_scan_with, upload, config, root, loaded)
+        entries, errors = await trio.to_thread.run_sync(
+            _scan_with, upload, config, root, loaded, reading
+        )
         return _checked(name, LoadPlan(entries=entries, upload=upload), errors, root, uploads)
     except BaseException:
         uploads.remove(upload)  # small, and it must happen even if cancelled
@@ -92,14 +109,14 @@ async def plan_load(
 
 
 def _plan_config_override(
-    name: str, config: ModelConfig, root: Path | None, loaded: set[str]
+    name: str, config: ModelConfig, root: Path | None, loaded: set[str], reading: ConfigReading
 ) -> LoadPlan:
     """`plan_load` with a config override alone: the repository folder, read with it."""
     folder = find_model_folder(root, name)
     if folder is None:
         raise LoadRequestError(name, f"the model repository has no model folder '{name}'")
     fingerprint = folder_fingerprint(folder)
-    entries, errors = _scan_with(folder, config, root, loaded)
+    entries, errors = _scan_with(folder, config, root, loaded, reading)
     return _checked(name, LoadPlan(entries=entries, fingerprint=fingerprint), errors, root, None)
 
 
@@ -126,14 +143,16 @@ def override_config(name: str, text: str) -> ModelConfig:
 
 
 def _scan_with(
-    folder: Path, config: ModelConfig, root: Path | None, loaded: set[str]
+    folder: Path, config: ModelConfig, root: Path | None, loaded: set[str], reading: ConfigReading
 ) -> tuple[list[RepositoryEntry], list[str]]:
     """``folder`` read with ``config`` (a load request's), then the repository folders of
     the composing models it needs that are not ``loaded``; and every problem found."""
-    entry, errors = scan_model_folder(folder, config, override_source=CONFIG_SOURCE)
+    entry, errors = scan_model_folder(
+        folder, config, override_source=CONFIG_SOURCE, reading=reading
+    )
     if entry is None:
         return [], errors
-    entries, more = scan_closure(root, [], loaded, [entry])
+    entries, more = scan_closure(root, [], loaded, [entry], reading=reading)
     return entries, [*errors, *more]
 
 

@@ -10,7 +10,9 @@ requests in flight get up to ``exit_timeout`` seconds, then whatever is left is 
 the models close, and `serve` returns.
 
 `ServeOptions` holds the one definition of every ``orchestrion serve`` default: the command
-line takes its defaults from it.
+line takes its defaults from it. With ``exit_on_error=False`` (Triton's
+``--exit-on-error=false``) the models load one by one after the server opens, and those that
+fail are left out (`ModelControl.load_at_start`) instead of stopping the start.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer, open_server
+from ..actors import ConfigReading
 from ..protocols import ConfigError
 from ..protocols._errors import ungrouped
 from ..protocols._model_load import DEFAULT_MAX_UPLOAD_SIZE, UploadLimits
@@ -68,6 +71,13 @@ class ServeOptions:
     tracing: Sequence[str] | None = None
     model_control_mode: ModelControlMode = ModelControlMode.NONE
     load_models: Sequence[str] = ()
+    exit_on_error: bool = True
+    """A model that fails to load at start stops the start (False: it is left out, listed
+    UNAVAILABLE with the reason, and the others are served)."""
+    auto_complete_config: bool = True
+    """False: Triton's ``--disable-auto-complete-config`` (see `open_server`)."""
+    model_config_name: str = ""
+    """Triton's ``--model-config-name`` (see `open_server`)."""
     strict_readiness: bool = True
     exit_timeout: float = DEFAULT_EXIT_TIMEOUT
     poll_interval: float = 15.0
@@ -88,6 +98,9 @@ class ServeOptions:
     """Triton's ``--grpc-restricted-protocol`` values: ``<protocols>:<key>=<value>``."""
     model_upload_max_size: int = DEFAULT_MAX_UPLOAD_SIZE
     """The most bytes the ``file:`` parameters of one load request may hold (0: none)."""
+    grpc_channel_args: Sequence[tuple[str, int]] = ()
+    """More of grpcio's server options (Triton's gRPC keepalive flags, ``--reuse-grpc-port``),
+    over the defaults."""
 
 
 @attrs.frozen(kw_only=True)
@@ -125,17 +138,20 @@ async def serve(
     baseline: dict[str, object] = {}
     if mode is ModelControlMode.POLL:  # before loading: no change is missed
         baseline = await trio.to_thread.run_sync(repository_fingerprints, options.model_repository)
+    one_by_one = mode is ModelControlMode.EXPLICIT or not options.exit_on_error
     # Uploaded model files are removed once every model (their user) has closed.
     limits = UploadLimits(max_size=options.model_upload_max_size)
     async with (
         open_upload_folders(limits) as uploads,
         open_server(
             options.model_repository,
-            load_models=[] if mode is ModelControlMode.EXPLICIT else None,
+            load_models=[] if one_by_one else None,
             cache_config=list(options.cache_config) or None,
             metrics_port=options.metrics_port,
             metrics_host=options.metrics_address,
             tracing=options.tracing,
+            auto_complete_config=options.auto_complete_config,
+            model_config_name=options.model_config_name,
         ) as server,
     ):
         control = await _open_model_control(server, options, mode, uploads)
@@ -228,11 +244,20 @@ async def _open_model_control(
 ) -> ModelControl:
     """The model control of ``server``, with explicit mode's ``--load-model`` models
     loaded, and everything loaded so far frozen out of the garbage collector's sight."""
+    reading = ConfigReading(
+        auto_complete=options.auto_complete_config, config_name=options.model_config_name
+    )
     control = ModelControl(
-        server, mode=mode, strict_readiness=options.strict_readiness, uploads=uploads
+        server,
+        mode=mode,
+        strict_readiness=options.strict_readiness,
+        uploads=uploads,
+        config_reading=reading,
     )
     if mode is ModelControlMode.EXPLICIT:
-        await control.load_at_start(options.load_models)
+        await control.load_at_start(options.load_models, exit_on_error=options.exit_on_error)
+    elif not options.exit_on_error:
+        await control.load_at_start(["*"], exit_on_error=False)
     # Everything loaded so far (JAX, the models, compiled functions) lives as long as the
     # server: move it out of the garbage collector's sight. Otherwise every full
     # collection walks it all while requests wait: under perf_analyzer at concurrency 64,
@@ -289,6 +314,7 @@ async def _start_grpc(front_ends: trio.Nursery, serving: _Serving) -> str | None
             max_message_size=options.grpc_max_message_size,
             shared_memory=serving.memory,
             restrictions=serving.restrictions[1],
+            channel_args=options.grpc_channel_args,
         )
     )
     return address

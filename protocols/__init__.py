@@ -60,6 +60,7 @@ from ._errors import QueueFullError as QueueFullError
 from ._errors import QueueTimeoutError as QueueTimeoutError
 from ._errors import RegionNotFoundError as RegionNotFoundError
 from ._errors import ServerClosedError as ServerClosedError
+from ._errors import StepRefusedError as StepRefusedError
 from ._errors import UnsupportedError as UnsupportedError
 from ._errors import os_error_in as os_error_in
 from ._errors import ungrouped as ungrouped

@@ -90,6 +90,16 @@ class InferenceError(OrchestrionError, RuntimeError):
         self.model_name = model_name
 
 
+class StepRefusedError(InferenceError):
+    """An ensemble step's composing model refused the step's request as invalid: a required
+    input that an earlier step left out of its answer, or a tensor whose data type or shape
+    does not fit. Nothing of that step ran.
+
+    The fault of the ensemble's models or wiring, seen in the client's request: the front
+    ends answer it as Triton does, with the composing request's INVALID_ARG (HTTP 400).
+    """
+
+
 class InferenceTimeoutError(OrchestrionError, TimeoutError):
     """A request did not finish within its ``timeout``.
 

@@ -165,19 +165,24 @@ def model_statistics_json(statistics: Sequence[ModelStatistics]) -> dict[str, An
 
 
 def repository_index(
-    loaded: Mapping[str, Sequence[int]], available: Sequence[str], *, ready_only: bool = False
+    loaded: Mapping[str, Sequence[int]],
+    available: Sequence[str],
+    *,
+    ready_only: bool = False,
+    failed: Mapping[str, str] | None = None,
 ) -> list[dict[str, str]]:
     """The repository index: every model folder, with its loaded versions ``READY`` and the
-    others ``UNAVAILABLE``."""
+    others ``UNAVAILABLE``: the reason is why its last load failed (``failed``), else
+    "unloaded"."""
+    failed = failed or {}
     entries: list[dict[str, str]] = []
-    for name in sorted(set(available) | set(loaded)):
+    for name in sorted(set(available) | set(loaded) | set(failed)):
         versions = loaded.get(name, ())
         if versions:
             entries.extend(
                 {"name": name, "version": str(v), "state": "READY", "reason": ""} for v in versions
             )
         elif not ready_only:
-            entries.append(
-                {"name": name, "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}
-            )
+            reason = failed.get(name, "unloaded")
+            entries.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": reason})
     return entries

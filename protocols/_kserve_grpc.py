@@ -320,10 +320,14 @@ def model_statistics_message(statistics: Sequence[ModelStatistics]) -> Any:
 
 
 def repository_index_message(
-    loaded: Mapping[str, Sequence[int]], available: Sequence[str], *, ready_only: bool
+    loaded: Mapping[str, Sequence[int]],
+    available: Sequence[str],
+    *,
+    ready_only: bool,
+    failed: Mapping[str, str] | None = None,
 ) -> Any:
     """``RepositoryIndexResponse``."""
     return json_format.ParseDict(
-        {"models": repository_index(loaded, available, ready_only=ready_only)},
+        {"models": repository_index(loaded, available, ready_only=ready_only, failed=failed)},
         service_pb2.RepositoryIndexResponse(),
     )

@@ -21,12 +21,14 @@ from ._errors import (
     QueueFullError,
     RegionNotFoundError,
     ServerClosedError,
+    StepRefusedError,
     UnsupportedError,
 )
 
 
 def http_status(error: BaseException) -> int:
-    """Triton's HTTP status for an error: 404 unknown model, 400 bad request, 503 busy or
+    """Triton's HTTP status for an error: 404 unknown model, 400 bad request (also a step's
+    request that its composing model refused, as Triton passes its status on), 503 busy or
     closing, 500 the pipeline failed, 501 not offered."""
     if isinstance(error, ModelNotFoundError | RegionNotFoundError):
         return 404
@@ -34,7 +36,7 @@ def http_status(error: BaseException) -> int:
         return 501
     if isinstance(error, JsonFieldError):
         return 500
-    if isinstance(error, InvalidRequestError | ConfigError | ModelLoadError):
+    if isinstance(error, InvalidRequestError | ConfigError | ModelLoadError | StepRefusedError):
         return 400
     if isinstance(
         error, QueueFullError | ServerClosedError | InferenceTimeoutError | ModelControlError

@@ -95,8 +95,8 @@ class RequestOptions:
     """The model's version: -1 or 0 for the latest loaded one."""
     outputs: frozenset[str] | None = attrs.field(default=None, converter=_outputs)
     """The outputs wanted (any collection of names; None or empty: all). An ensemble skips
-    steps that only lead to outputs nobody asked for. Asking for an output the model then
-    leaves out of its result is an `InferenceError`."""
+    steps that only lead to outputs nobody asked for. An output the model (or an ensemble's
+    composing model) leaves out of its answer is left out of the response, as in Triton."""
     request_id: str = attrs.field(default="", converter=_request_id)
     """Echoed in the response and forwarded to composing models (None: none)."""
     parameters: dict[str, ParameterValue] = attrs.field(factory=dict, converter=_parameters)

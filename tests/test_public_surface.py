@@ -45,6 +45,7 @@ def test_public_names() -> None:
             "ResponseCache",
             "Server",
             "ServerClosedError",
+            "StepRefusedError",
             "StepStatistics",
             "TensorConfig",
             "open_server",

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 import orchestrion
-from orchestrion import InferenceError, InferenceTimeoutError
+from orchestrion import InferenceError, InferenceTimeoutError, StepRefusedError
 from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import DynamicBatching
 from orchestrion.testing import (
@@ -253,41 +253,85 @@ async def test_a_timeout_fires_while_a_new_shape_compiles(fusion: str) -> None:
 
 
 def _leaves_out_z(X: Any) -> dict[str, Any]:
-    return {"Y": X * 2}  # Z is declared but left out (allowed: the ensemble leaves it out)
+    return {"Y": X * 2}  # Z is declared but left out (allowed: the next step runs without it)
 
 
 def _optional_b(A: Any, B: Any = None) -> dict[str, Any]:
     return {"O": A if B is None else A + B}
 
 
-async def test_a_step_whose_input_was_left_out_does_not_run() -> None:
-    """a declares Y and Z but returns only Y; b takes Y and (optional) Z. The scheduler
-    never runs b (its input Z never arrives), so OUT is left out of the response and b
-    counts nothing; neither does the fused call."""
+def _left_out_pipe(fusion: str, *, optional: bool) -> list[orchestrion.Model]:
+    """a declares Y and Z but returns only Y; b takes Y and Z (``optional`` or not) and
+    returns O = Y (+ Z). Both run inline: fusion only fuses inline steps."""
+    inline = {"execution": "inline"}
+    a = model(
+        "a",
+        lambda X: _leaves_out_z(X),
+        [tensor("X")],
+        [tensor("Y"), tensor("Z")],
+        parameters=inline,
+    )
+    b = model(
+        "b",
+        lambda A, B=None: _optional_b(A, B),
+        [tensor("A"), tensor("B", optional=optional)],
+        [tensor("O")],
+        parameters=inline,
+    )
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN")],
+        [tensor("OUT")],
+        [
+            step("a", {"X": "IN"}, {"Y": "y", "Z": "z"}),
+            step("b", {"A": "y", "B": "z"}, {"O": "OUT"}),
+        ],
+    )
+    return [a, b, with_fusion(pipe, fusion)]
+
+
+async def test_a_step_whose_optional_input_was_left_out_runs_without_it() -> None:
+    """As in Triton, b runs without the Z that a left out (OUT = Y), fused (in each mode,
+    once its signature is ready) or not, and both count every request."""
     seen = {}
-    for fusion in MODES:
-        a = model("a", lambda X: _leaves_out_z(X), [tensor("X")], [tensor("Y"), tensor("Z")])
-        b = model(
-            "b",
-            lambda A, B=None: _optional_b(A, B),
-            [tensor("A"), tensor("B", optional=True)],
-            [tensor("O")],
-        )
-        pipe = ensemble(
-            "pipe",
-            [tensor("IN")],
-            [tensor("OUT")],
-            [
-                step("a", {"X": "IN"}, {"Y": "y", "Z": "z"}),
-                step("b", {"A": "y", "B": "z"}, {"O": "OUT"}),
-            ],
-        )
-        async with orchestrion.open_server(models=[a, b, with_fusion(pipe, fusion)]) as server:
-            response = await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-            b_count = server.model_statistics("b")[0].inference_count
-            seen[fusion] = (sorted(response.outputs), b_count)
-    assert seen["off"] == ([], 0)
-    assert seen["on"] == seen["off"]
+    for fusion in (*MODES, "xla"):
+        async with orchestrion.open_server(models=_left_out_pipe(fusion, optional=True)) as server:
+            outs = []
+            for _ in range(10):  # bounded: a new signature compiles in the background
+                response = await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+                outs.append(response.outputs["OUT"].tolist())
+                if len(outs) >= 3 and (fusion == "off" or await settled(server)):
+                    break
+            counts = [server.model_statistics(m)[0].inference_count for m in "ab"]
+            seen[fusion] = (outs, counts, fused(server))
+    off_outs, off_counts, off_fused = seen["off"]
+    assert off_outs == [[2.0] * 16] * 3
+    assert off_counts == [3, 3]
+    assert not off_fused
+    for fusion in ("on", "xla"):
+        outs, counts, was_fused = seen[fusion]
+        assert was_fused, fusion
+        assert outs == [[2.0] * 16] * len(outs)
+        assert counts == [len(outs)] * 2
+
+
+@pytest.mark.parametrize("fusion", [*MODES, "xla"])
+async def test_a_step_whose_required_input_was_left_out_is_refused(fusion: str) -> None:
+    """b requires the Z that a left out: the scheduler's error, fused or not, naming the
+    missing input and the step that left it out; b counts a refused request, not a run."""
+    async with orchestrion.open_server(models=_left_out_pipe(fusion, optional=False)) as server:
+        for _ in range(3):
+            with pytest.raises(InferenceError) as refused:
+                await server.infer("pipe", {"IN": np.ones(16, np.float32)})
+            await settled(server)
+        assert isinstance(refused.value, StepRefusedError)
+        message = str(refused.value)
+        assert message.startswith("in ensemble 'pipe', step[1]: model 'b'")
+        assert "missing required input 'B'" in message
+        assert "(tensor 'z': step[0]'s model 'a' left its output 'Z' out)" in message
+        b = server.model_statistics("b")[0]
+        assert (b.inference_count, b.inference_stats.fail.count) == (0, 3)
+        assert not fused(server)
 
 
 def _batching_chain(fusion: str) -> list[orchestrion.Model]:

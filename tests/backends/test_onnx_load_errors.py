@@ -122,3 +122,17 @@ def test_model_control_finds_folders_without_a_config(tmp_path: Path) -> None:
     (tmp_path / "python_only" / "1" / "model.py").write_text("class TritonPythonModel: ...\n")
     (tmp_path / "notes" / "1").mkdir(parents=True)
     assert [p.name for p in model_folders(tmp_path)] == ["onnx_only", "python_only"]
+
+
+async def test_without_auto_complete_a_partial_config_is_a_load_error(repository: Path) -> None:
+    """``auto_complete_config=False`` (Triton's ``--disable-auto-complete-config``): the
+    graph completes nothing, so a config with only ``max_batch_size`` fails, naming the
+    inputs it leaves out; a folder without a config is not a model at all."""
+    onnx_graphs.model_folder(repository, "no_config", onnx_graphs.add())
+    async with orchestrion.open_server(
+        model_repository=repository, load_models=[], auto_complete_config=False
+    ) as server:
+        with pytest.raises(ConfigError, match="inputs the config does not declare: A, B"):
+            await server.load_model("good")
+        with pytest.raises(OrchestrionError, match="auto-complete is disabled"):
+            await server.load_model("no_config")

@@ -9,7 +9,6 @@ import logging
 
 import numpy as np
 import pytest
-
 import triton_python_backend_utils as pb_utils
 
 

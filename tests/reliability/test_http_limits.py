@@ -365,13 +365,14 @@ def test_an_input_with_json_and_binary_data_is_400(server: Served) -> None:
     assert status == 400, answer[:300]
     error = json.loads(answer)["error"]
     assert "IN_FP32" in error, error
-    assert "both" in error, error
+    assert "Input must set only one of the following fields" in error, error  # Triton's words
+    assert "But set 'data' 'binary_data_size'" in error, error
     assert get(server.http, "/v2/health/live")[0] == 200
     record(
         "Bad input",
         "An infer input with both JSON data and binary_data_size (with its binary bytes)",
         "1 request",
-        "a JSON 400 naming the input and saying it has both",
+        "a JSON 400 naming the input and the two fields set, in Triton's words",
     )
 
 

@@ -2,7 +2,6 @@
 config): one InferenceResponse per request, in order, one of them possibly an error."""
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 

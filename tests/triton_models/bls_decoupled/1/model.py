@@ -3,7 +3,6 @@ the square model, the responses summed (as an INT64 numpy array, which the confi
 INT32, as the example does)."""
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 

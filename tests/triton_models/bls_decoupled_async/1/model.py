@@ -4,7 +4,6 @@ async_exec(decoupled=True) calls gathered, then each iterator read to its end.""
 import asyncio
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 

@@ -1,7 +1,6 @@
 """A model that fails on request, in every way a python model's answer can be wrong."""
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 

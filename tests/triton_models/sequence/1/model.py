@@ -3,7 +3,6 @@ START, END, READY and CORRID as the model received them, and correlation_id() an
 agree with them."""
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 NAMES = ("START", "END", "READY", "CORRID", "X")

@@ -4,7 +4,6 @@ recommends for long work."""
 import time
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 

@@ -1,0 +1,5 @@
+JIT = False
+
+
+def execute(INPUT):
+    return {"OUTPUT": INPUT}
