@@ -334,8 +334,9 @@ async def open_server(
             the server owns the exporter and flushes it on exit), or an application's own
             ``TracerProvider``. None: no spans.
         observers: receivers of runtime events (metrics, traces, tests).
-        auto_complete_config: a python-backend model's ``auto_complete_config`` completes
-            its repository config, and may stand in for a missing ``config.pbtxt``; False
+        auto_complete_config: a python-backend model's ``auto_complete_config`` (an ONNX
+            model's graph) completes its repository config, and may stand in for a missing
+            ``config.pbtxt``; False
             (Triton's ``--disable-auto-complete-config``): every folder needs a complete one.
         model_config_name: read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt``
             in the repository folders that have one (Triton's ``--model-config-name``).

@@ -7,6 +7,7 @@ from ._registry import ModelRegistry as ModelRegistry
 from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
 from ._repository import ConfigReading as ConfigReading
 from ._repository import RepositoryEntry as RepositoryEntry
+from ._repository import is_model_folder as is_model_folder
 from ._repository import load_model_code as load_model_code
 from ._repository import scan_model_folder as scan_model_folder
 from ._repository import scan_repository as scan_repository

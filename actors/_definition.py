@@ -15,12 +15,13 @@ import enum
 import inspect
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..backends import model_problems
-from ..protocols import ModelConfig
+from ..protocols import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
 from ._instances import ExecutionMode
 
 
@@ -60,6 +61,11 @@ class Model:
             ``initialize(args)``, ``execute(requests)``, ``finalize()``), given instead of
             ``execute``; a repository's ``model.py`` that defines ``TritonPythonModel`` runs
             this way (see docs/guide.md, "Bringing a Triton repository").
+        onnx: an ONNX model, run by ONNX Runtime instead of ``execute``: the path of its
+            ``.onnx`` file (external data is read from beside it) or the file's bytes. Its
+            config has ``platform="onnxruntime_onnx"`` (or ``backend="onnxruntime"``) and
+            is checked against the graph when the model loads; a repository's
+            ``<version>/model.onnx`` comes this way, its config completed from the graph.
         version: the version number this definition is served as.
         source: where the code came from (its ``model.py``), for error messages.
         config_source: where the config came from, for error messages.
@@ -81,6 +87,7 @@ class Model:
     initial_state: Callable[[ModelConfig], Any] | None = None
     jit: bool = True
     triton_model: type | None = None
+    onnx: Path | bytes | None = attrs.field(default=None, repr=False)
     version: int = 1
     source: str = "<python>"
     config_source: str = "<python>"
@@ -128,11 +135,31 @@ def check_model(model: Model) -> list[str]:
         if model.execute is not None or model.initialize is not None:
             return [f"{where}: a Triton python model (triton_model) has no execute or initialize"]
         return model_problems(model, where, in_config)
+    if model.onnx is not None or config.is_onnx:
+        return _onnx_problems(model, where, in_config)
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
     errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)
     errors += _kind_problems(model, where, in_config)
     return errors + _parameter_problems(model, where)
+
+
+def _onnx_problems(model: Model, where: str, in_config: str) -> list[str]:
+    """An ONNX model: its graph given, no code, a config that says what it is."""
+    if model.onnx is None:
+        return [
+            f"{where}: platform '{model.config.platform or ONNX_PLATFORM}' runs an ONNX graph: "
+            "give it (Model(onnx=path or bytes), or a <version>/model.onnx in a repository)"
+        ]
+    if model.execute is not None or model.initialize is not None:
+        return [f"{where}: an ONNX model (onnx) has no execute or initialize"]
+    if not model.config.is_onnx:
+        return [
+            f"{in_config}: an ONNX model's config has platform '{ONNX_PLATFORM}' (or backend "
+            f"'{ONNX_BACKEND}'), not platform '{model.config.platform}' and backend "
+            f"'{model.config.backend}'"
+        ]
+    return model_problems(model, where, in_config) + _mode_problems(model, in_config)
 
 
 def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:

@@ -1,14 +1,17 @@
 """Reading a Triton-layout model repository from disk.
 
 Layout: ``<root>/<model>/config.pbtxt`` and numbered version folders
-``<root>/<model>/<version>/model.py``. Folder names that are not positive integers (or that
-start with ``0``) are not versions and are ignored. ``version_policy`` picks which versions
-are served (default: the latest one). `scan_repository` reads configs only and reports every
-problem it finds; `load_model_code` imports one version's ``model.py``, and fingerprints the
-config and the version folder (`revision`), so that cached answers never outlive the code.
-`ConfigReading` holds Triton's server-wide rules for configs: whether they may be
-auto-completed (a python-backend model's ``auto_complete_config``, a folder without
-``config.pbtxt``), and which file of a folder is its config (``--model-config-name``).
+``<root>/<model>/<version>/model.py`` (an ONNX model's: ``model.onnx``). Folder names that
+are not positive integers (or that start with ``0``) are not versions and are ignored.
+``version_policy`` picks which versions are served (default: the latest one). A folder
+without ``config.pbtxt`` is a Triton python model (a ``model.py``) or an ONNX model (a
+``model.onnx``), whose config is completed at load, as Triton does. `scan_repository` reads
+configs only and reports every problem it finds; `load_model_code` imports one version's
+``model.py`` (or reads its ONNX graph), and fingerprints the config and the version folder
+(`revision`), so that cached answers never outlive the code. `ConfigReading` holds Triton's
+server-wide rules for configs: whether they may be auto-completed (a python-backend model's
+``auto_complete_config``, an ONNX model's graph, a folder without ``config.pbtxt``), and
+which file of a folder is its config (``--model-config-name``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pathlib import Path
 import attrs
 import xxhash
 
-from ..backends import auto_complete, import_code_file
+from ..backends import auto_complete, complete_onnx_config, import_code_file
 from ..protocols import (
+    ONNX_PLATFORM,
     ConfigError,
     ModelConfig,
     ModelLoadError,
@@ -33,6 +37,7 @@ from ._definition import Model, check_model
 
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.py"
+DEFAULT_ONNX_FILE = "model.onnx"
 _log = logging.getLogger("orchestrion")
 
 
@@ -53,9 +58,10 @@ class ConfigReading:
     """
 
     auto_complete: bool = True
-    """A python-backend model's ``auto_complete_config`` completes its config, and may stand
-    in for a missing ``config.pbtxt``. False (Triton's ``--disable-auto-complete-config``,
-    ``--strict-model-config=true``): every model folder needs its complete config file."""
+    """A python-backend model's ``auto_complete_config`` (an ONNX model's graph) completes
+    its config, and may stand in for a missing ``config.pbtxt``. False (Triton's
+    ``--disable-auto-complete-config``, ``--strict-model-config=true``): every model folder
+    needs its complete config file (an ONNX model's is still checked against its graph)."""
     config_name: str = attrs.field(default="", converter=_config_name)
     """Read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt`` in the folders that
     have one (Triton's ``--model-config-name``); "": always ``config.pbtxt``."""
@@ -88,12 +94,16 @@ class RepositoryEntry:
     """The folder's config file, relative to it (``configs/<name>.pbtxt`` with
     ``--model-config-name``)."""
     auto_complete: bool = True
-    """Whether a python-backend model's ``auto_complete_config`` completes the config."""
+    """Whether a python-backend model's ``auto_complete_config`` (an ONNX model's graph)
+    completes the config."""
 
     def model_file(self, version: int) -> Path:
-        """The code file of ``version``."""
-        filename = self.config.default_model_filename or DEFAULT_MODEL_FILE
-        return self.path / str(version) / filename
+        """The code file of ``version`` (an ONNX model's graph; a folder of that name holds
+        it as ``model.onnx``, as in Triton)."""
+        onnx = self.config.is_onnx
+        default = DEFAULT_ONNX_FILE if onnx else DEFAULT_MODEL_FILE
+        path = self.path / str(version) / (self.config.default_model_filename or default)
+        return path / DEFAULT_ONNX_FILE if onnx and path.is_dir() else path
 
 
 def _version_folders(path: Path) -> list[int]:
@@ -117,12 +127,24 @@ def select_versions(available: Sequence[int], policy: VersionPolicy | None) -> t
 
 
 def _without_config(path: Path) -> ModelConfig | None:
-    """The config of a model folder that has no ``config.pbtxt``: a python-backend model
-    (a ``model.py`` in a version folder) gets the empty config that its
-    ``auto_complete_config`` completes at load, as Triton does; anything else gets None."""
-    if any((path / str(v) / DEFAULT_MODEL_FILE).is_file() for v in _version_folders(path)):
+    """The config of a model folder that has no ``config.pbtxt``, as Triton finds it from
+    the files of its version folders: a python-backend model (a ``model.py``) gets the
+    empty config that its ``auto_complete_config`` completes at load, an ONNX model (a
+    ``model.onnx``) the one its graph completes; anything else gets None."""
+    versions = [path / str(v) for v in _version_folders(path)]
+    if any((folder / DEFAULT_MODEL_FILE).is_file() for folder in versions):
         return ModelConfig(name=path.name, backend="python")
+    if any((folder / DEFAULT_ONNX_FILE).exists() for folder in versions):
+        return ModelConfig(name=path.name, platform=ONNX_PLATFORM)
     return None
+
+
+def is_model_folder(path: Path) -> bool:
+    """Whether ``path`` is a model folder: it has a ``config.pbtxt``, or a version folder
+    whose files say what the model is (see `_without_config`)."""
+    if not path.is_dir() or path.name.startswith("."):
+        return False
+    return (path / CONFIG_FILE).is_file() or _without_config(path) is not None
 
 
 def scan_model_folder(
@@ -149,7 +171,8 @@ def scan_model_folder(
         if found is None:
             return None, [
                 f"{config_path}: missing (every model folder needs a {CONFIG_FILE}, except "
-                "a Triton python model whose model.py completes its config)"
+                "a Triton python model whose model.py completes its config, and an ONNX "
+                f"model, whose {DEFAULT_ONNX_FILE} does)"
                 if reading.auto_complete
                 else f"{config_path}: missing (auto-complete is disabled: every model "
                 f"folder needs a complete {CONFIG_FILE})"
@@ -198,7 +221,8 @@ def scan_model_folder(
         for version in versions:
             code = entry.model_file(version)
             if not code.is_file():
-                errors.append(f"{code}: missing (the code of version {version})")
+                what = "ONNX graph" if config.is_onnx else "code"
+                errors.append(f"{code}: missing (the {what} of version {version})")
     return entry, errors
 
 
@@ -276,6 +300,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     """
     config = entry.config
     config_source = entry.config_source or str(entry.path / entry.config_file)
+    if not entry.config_source and not (entry.path / entry.config_file).is_file():
+        config_source = f"{entry.path} (no {CONFIG_FILE})"
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
     if config.is_ensemble:
@@ -287,6 +313,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             labels=labels,
         )
     path = entry.model_file(version)
+    if config.is_onnx:
+        return _onnx_model(entry, version, config_source, fingerprint, labels)
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):
@@ -317,6 +345,37 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         initialize=getattr(module, "initialize", None),
         initial_state=getattr(module, "initial_state", None),
         jit=bool(getattr(module, "JIT", True)),
+        version=version,
+        source=str(path),
+        config_source=config_source,
+        revision=fingerprint,
+        labels=labels,
+    )
+    errors = check_model(model)
+    if errors:
+        raise ConfigError(errors)
+    return model
+
+
+def _onnx_model(
+    entry: RepositoryEntry,
+    version: int,
+    config_source: str,
+    fingerprint: str,
+    labels: dict[str, tuple[str, ...]],
+) -> Model:
+    """An ONNX model of the repository, its config completed from its graph.
+
+    Raises:
+        ModelLoadError: the graph cannot be read.
+        ConfigError: the config disagrees with the graph, or breaks a rule.
+    """
+    path = entry.model_file(version)
+    model = Model(
+        config=complete_onnx_config(
+            entry.config, path, config_source, complete=entry.auto_complete
+        ),
+        onnx=path,
         version=version,
         source=str(path),
         config_source=config_source,

@@ -4,10 +4,10 @@ A backend loads a model's instances (initialise, place on a device, compile, war
 one execution (a request, or a batch of them joined on the batch dimension), opens a stream
 for a decoupled model, and says what it can do (`Capabilities`); the runner decides from
 those alone how to run it (inline or in a worker thread, batched, as a stream, with a
-sequence's state). `backend_for` picks the backend of a `Model`. Three kinds exist: JAX
-(``jax.jit``, device placement), plain Python (sync, async, generators) and Triton's python
+sequence's state). `backend_for` picks the backend of a `Model`. Four kinds exist: JAX
+(``jax.jit``, device placement), plain Python (sync, async, generators), Triton's python
 backend (``TritonPythonModel``, with ``triton_python_backend_utils``, BLS and response
-senders).
+senders) and ONNX Runtime (an ONNX graph, one session per instance).
 """
 
 from ._base import Backend as Backend
@@ -19,4 +19,5 @@ from ._base import model_problems as model_problems
 from ._function import host_tensors as host_tensors
 from ._function import import_code_file as import_code_file
 from ._function import response_on_host as response_on_host
+from ._onnx import complete_onnx_config as complete_onnx_config
 from ._triton_config import auto_complete as auto_complete

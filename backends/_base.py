@@ -194,11 +194,14 @@ def backend_for(model: Model, calls: ServerCalls | None = None) -> Backend:
     """The backend that runs ``model``'s code (a model, not an ensemble); ``calls``: what its
     code may call on the server (None: nothing, as in a model tested alone)."""
     from ._jax import JaxBackend
+    from ._onnx import OnnxBackend
     from ._python import PythonBackend
     from ._triton_python import TritonPythonBackend
 
     if model.triton_model is not None:
         return TritonPythonBackend(model, calls)
+    if model.onnx is not None:
+        return OnnxBackend(model)
     return JaxBackend(model) if model.jit else PythonBackend(model)
 
 
@@ -206,11 +209,14 @@ def model_problems(model: Model, where: str, in_config: str) -> list[str]:
     """The ways ``model``'s code cannot run on its backend (empty when it can): ``where``
     names the code, ``in_config`` the config, in the messages."""
     from ._jax import jax_problems
+    from ._onnx import onnx_problems
     from ._python import python_problems
     from ._triton_python import triton_problems
 
     if model.triton_model is not None:
         return triton_problems(model, where, in_config)
+    if model.onnx is not None:
+        return onnx_problems(model, where, in_config)
     if model.jit:
         return jax_problems(model, where, in_config)
     return python_problems(model, where, in_config)

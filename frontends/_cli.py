@@ -128,7 +128,17 @@ def _report_started(endpoints: Endpoints, seconds: float, console: Console) -> N
 
 def _validate(root: Path, console: Console) -> int:
     entries, errors = scan_repository(root)
+    # The configs as loading completes them (a python model's auto_complete_config, an ONNX
+    # model's graph): an ensemble is checked against what its steps will be.
     configs = {e.name: e.config for e in entries}
+    for entry in entries:
+        for version in entry.versions:
+            try:
+                configs[entry.name] = load_model_code(entry, version).config
+            except ConfigError as exc:
+                errors.extend(exc.errors)
+            except ModelLoadError as exc:
+                errors.append(str(exc))
     errors.extend(
         validate_repository(
             configs,
@@ -136,14 +146,6 @@ def _validate(root: Path, console: Console) -> int:
             {e.name: str(e.path / CONFIG_FILE) for e in entries},
         )
     )
-    for entry in entries:
-        for version in entry.versions:
-            try:
-                load_model_code(entry, version)
-            except ConfigError as exc:
-                errors.extend(exc.errors)
-            except ModelLoadError as exc:
-                errors.append(str(exc))
     errors = list(dict.fromkeys(errors))
     if errors:
         console.print(f"[red]{len(errors)} problem(s)[/red] in {root}:", highlight=False)

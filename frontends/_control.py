@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..actors import AUTO_COMPLETE, ConfigReading, find_model_folder, load_code
+from ..actors import AUTO_COMPLETE, ConfigReading, find_model_folder, is_model_folder, load_code
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -375,14 +375,11 @@ class ModelControl:
 
 
 def model_folders(root: Path) -> list[Path]:
-    """The model folders of a repository (each with a config.pbtxt), by name."""
+    """The model folders of a repository (each with a config.pbtxt, or the files of a model
+    whose config is completed at load), by name."""
     if not root.is_dir():
         return []
-    return sorted(
-        folder
-        for folder in root.iterdir()
-        if not folder.name.startswith(".") and (folder / "config.pbtxt").is_file()
-    )
+    return sorted(folder for folder in root.iterdir() if is_model_folder(folder))
 
 
 def repository_fingerprints(root: Path) -> dict[str, object]:

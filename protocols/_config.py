@@ -21,6 +21,10 @@ import attrs
 from ._dtypes import DataType
 
 ENSEMBLE_PLATFORM = "ensemble"
+ONNX_PLATFORM = "onnxruntime_onnx"
+"""Triton's platform name of ONNX models (run through ONNX Runtime)."""
+ONNX_BACKEND = "onnxruntime"
+"""Triton's backend name of ONNX models; either name alone makes a model an ONNX model."""
 
 
 class InstanceKind(enum.Enum):
@@ -195,6 +199,12 @@ class ModelConfig:
     def is_ensemble(self) -> bool:
         """Whether this is an ensemble (``platform: "ensemble"``)."""
         return self.platform == ENSEMBLE_PLATFORM
+
+    @property
+    def is_onnx(self) -> bool:
+        """Whether this is an ONNX model (``platform: "onnxruntime_onnx"`` or ``backend:
+        "onnxruntime"``), run through ONNX Runtime."""
+        return self.platform == ONNX_PLATFORM or self.backend == ONNX_BACKEND
 
     @property
     def decoupled(self) -> bool:

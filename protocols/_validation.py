@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ._config import InstanceKind, ModelConfig, TensorConfig
+from ._config import ONNX_BACKEND, ONNX_PLATFORM, InstanceKind, ModelConfig, TensorConfig
 from ._dtypes import DataType
 from ._ensemble_validation import validate_ensemble
 
@@ -101,6 +101,34 @@ def _scheduling_errors(config: ModelConfig) -> list[str]:
     return errors
 
 
+def _platform_errors(config: ModelConfig) -> list[str]:
+    """``platform`` and ``backend``: an ensemble, an ONNX model (either Triton name, or both
+    together), or a Python/JAX model."""
+    name = config.name
+    if config.is_onnx:
+        if config.platform not in ("", ONNX_PLATFORM) or config.backend not in ("", ONNX_BACKEND):
+            return [
+                f"model '{name}': platform '{config.platform}' and backend '{config.backend}' "
+                f"disagree (an ONNX model has platform '{ONNX_PLATFORM}', backend "
+                f"'{ONNX_BACKEND}', or both)"
+            ]
+        return []
+    errors = []
+    if config.platform and not config.is_ensemble:
+        errors.append(
+            f"model '{name}': platform '{config.platform}' is not supported "
+            f"(use 'ensemble', '{ONNX_PLATFORM}', or backend 'python'/'jax' or nothing for "
+            "Python models)"
+        )
+    if config.backend not in ("", "python", "jax"):
+        errors.append(
+            f"model '{name}': backend '{config.backend}' is not supported "
+            f"(orchestrion runs Python/JAX models: backend 'python', 'jax' or empty; ONNX "
+            f"models: '{ONNX_BACKEND}')"
+        )
+    return errors
+
+
 MAX_INSTANCES = 1024
 """Instances one model may have (Triton sets no limit; a typo of a few digits would
 otherwise exhaust memory while loading)."""
@@ -121,16 +149,7 @@ def validate_model_config(config: ModelConfig) -> list[str]:
             errors.append(
                 f"model '{name}': ensemble_scheduling is only allowed with platform 'ensemble'"
             )
-    if config.platform and not config.is_ensemble:
-        errors.append(
-            f"model '{name}': platform '{config.platform}' is not supported "
-            "(use 'ensemble', or backend 'python'/'jax' or nothing for Python models)"
-        )
-    if config.backend not in ("", "python", "jax"):
-        errors.append(
-            f"model '{name}': backend '{config.backend}' is not supported "
-            "(orchestrion runs Python/JAX models: backend 'python', 'jax' or empty)"
-        )
+    errors.extend(_platform_errors(config))
     errors.extend(_scheduling_errors(config))
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()

@@ -55,6 +55,11 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["compare.py", "--quick", "--skip", "ray,network", "--no-docs"],
             ["floor (hand-written trio)", "direct calls (no server, serial)", "peak RSS MiB"],
         ),
+        # One network as ONNX Runtime and jitted JAX, in orchestrion and called directly.
+        (
+            ["onnx_models.py", "--quick", "--batches", "1,4", "--clients", "1,4"],
+            ["One client", "orchestrion ONNX", "ONNX Runtime, direct", "mean batch"],
+        ),
         # The canned gRPC servers answer perf_analyzer's RPCs with orchestrion's own bytes.
         (
             ["grpc_ceiling.py", "--check"],
@@ -80,6 +85,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "soak",
         "large_requests",
         "compare",
+        "onnx_models",
         "grpc_ceiling",
     ],
 )

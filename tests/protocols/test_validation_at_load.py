@@ -627,7 +627,11 @@ def test_step_order_does_not_matter() -> None:
         (model(""), "a model config has no name"),
         (model("m", max_batch_size=-1), "model 'm': max_batch_size must be >= 0, got -1"),
         (model("m", platform="tensorrt_plan"), "model 'm': platform 'tensorrt_plan' is not"),
-        (model("m", backend="onnxruntime"), "model 'm': backend 'onnxruntime' is not supported"),
+        (model("m", backend="pytorch"), "model 'm': backend 'pytorch' is not supported"),
+        (
+            model("m", platform="onnxruntime_onnx", backend="python"),
+            "model 'm': platform 'onnxruntime_onnx' and backend 'python' disagree",
+        ),
         (
             model("m", inputs=[tensor("IN"), tensor("IN")]),
             "model 'm': input 'IN' is declared twice",
@@ -723,6 +727,9 @@ def test_model_config_rule(config: ModelConfig, expected: str) -> None:
         model("m", version_policy=VersionPolicy(specific=(1, 3))),
         model("m", response_cache=ResponseCache(enable=True), instance_group=(InstanceGroup(),)),
         decoupled("m", response_cache=ResponseCache(enable=False)),
+        model("m", platform="onnxruntime_onnx"),
+        model("m", backend="onnxruntime"),
+        model("m", platform="onnxruntime_onnx", backend="onnxruntime"),
     ],
 )
 def test_valid_model_config(config: ModelConfig) -> None:
