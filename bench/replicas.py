@@ -12,7 +12,8 @@ HAProxy is given 1, 2 or 3 replicas (the others are disabled in it). Two loads:
   by whichever replica gets it from the shared cache.
 
 Then the fault run of tests/reliability/test_replicas_across_hosts.py: one replica SIGKILLed
-and restarted, another SIGTERMed and restarted, under load; what the clients saw.
+and restarted, another drained at HAProxy, SIGTERMed and restarted (a rolling deploy),
+under load; what the clients saw.
 
     sudo .venv/bin/python bench/replicas.py [--seconds 5] [--clients 8] [--quick]
 """
@@ -92,7 +93,8 @@ def _faults(site: ReplicaSite, phase: float) -> list[list[str]]:
         site.wait_balanced(set(site.app_hosts))
         events.append(("app1 restarted", load.count()))
         time.sleep(phase)
-        events.append(("SIGTERM app2", load.count()))
+        events.append(("app2 drained at HAProxy, then SIGTERM", load.count()))
+        site.drain_replica(app2)
         code = site.kill_replica(app2, signal.SIGTERM)
         time.sleep(phase)
         site.start_replica(app2)

@@ -178,6 +178,10 @@ class ReplicaSite:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{host} never became ready: {served.text()}")
             time.sleep(0.05)
+        if self.haproxy is not None:  # back in rotation, if drained (health checks decide)
+            index = self.app_hosts.index(host) + 1
+            for backend in ("replicas_http", "replicas_grpc"):
+                self._command(f"set server {backend}/app{index} state ready")
         return served
 
     def kill_replica(self, host: str, how: signal.Signals) -> int:
@@ -187,6 +191,33 @@ class ReplicaSite:
         assert served is not None
         self.replicas[host] = None
         return served.stop(timeout=60, how=how)
+
+    def drain_replica(self, host: str, timeout: float = 30.0) -> None:
+        """Take ``host`` out of HAProxy's rotation before it is stopped, as a rolling deploy
+        does (Kubernetes: the preStop pause while the endpoints drop the pod): HAProxy sends
+        it no new request; returns once none it sent is still unanswered. `start_replica`
+        puts it back."""
+        index = self.app_hosts.index(host) + 1
+        for backend in ("replicas_http", "replicas_grpc"):
+            self._command(f"set server {backend}/app{index} state drain")
+        deadline = time.monotonic() + timeout
+        while any(
+            row["svname"] == f"app{index}" and int(row["scur"] or 0) > 0 for row in self.stats()
+        ):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"HAProxy still has requests on {host} after {timeout} s")
+            time.sleep(0.01)
+
+    def _command(self, command: str) -> str:
+        """One command on HAProxy's admin socket; its answer."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(str(self.stats_socket))
+            sock.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
 
     def _start_haproxy(self) -> None:
         config = self.workdir / "haproxy.cfg"
@@ -199,14 +230,7 @@ class ReplicaSite:
 
     def stats(self) -> list[dict[str, str]]:
         """HAProxy's ``show stat``: a row per frontend, server and backend."""
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(5)
-            sock.connect(str(self.stats_socket))
-            sock.sendall(b"show stat\n")
-            chunks = []
-            while chunk := sock.recv(65536):
-                chunks.append(chunk)
-        text = b"".join(chunks).decode().lstrip("# ")
+        text = self._command("show stat").lstrip("# ")
         return list(csv.DictReader(io.StringIO(text)))
 
     def up(self) -> dict[str, set[str]]:

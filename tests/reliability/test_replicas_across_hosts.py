@@ -92,8 +92,9 @@ def _phase(load: ReplicaLoad) -> None:
 
 def test_replicas_killed_and_stopped_under_load_answer_every_request(site: ReplicaSite) -> None:
     """Under HTTP and gRPC load through HAProxy: app1 SIGKILLed, then restarted; app2
-    SIGTERMed (exit 0), then restarted. Every request gets exactly one answer, the right
-    one; HAProxy's retries hide the failures from the clients."""
+    drained at HAProxy and SIGTERMed (exit 0), as a rolling deploy stops a replica, then
+    restarted. Every request gets exactly one answer, the right one; HAProxy's retries hide
+    the failures from the clients."""
     app1, app2, _ = site.app_hosts
     load = ReplicaLoad(site.http, site.grpc).start()
     try:
@@ -105,6 +106,7 @@ def test_replicas_killed_and_stopped_under_load_answer_every_request(site: Repli
         site.start_replica(app1)
         site.wait_balanced(set(site.app_hosts))
         _phase(load)
+        site.drain_replica(app2)
         code = site.kill_replica(app2, signal.SIGTERM)
         _phase(load)
         site.wait_balanced(set(site.app_hosts) - {app2})
@@ -124,7 +126,7 @@ def test_replicas_killed_and_stopped_under_load_answer_every_request(site: Repli
         "Faults",
         "Three replicas behind HAProxy (health checks on /v2/health/ready every 200 ms, "
         "retries of failed connections and unanswered requests) under HTTP and gRPC load: "
-        "one SIGKILLed and restarted, another SIGTERMed and restarted",
+        "one SIGKILLed and restarted, another drained at HAProxy, SIGTERMed and restarted",
         f"{len(outcomes):,} requests ({by_protocol['http']:,} HTTP, {by_protocol['grpc']:,} "
         f"gRPC, 8 clients), {killed_at:,} before the SIGKILL",
         f"{len(outcomes) - len(errors):,} answered right, {len(errors)} errors seen by clients; "
