@@ -19,6 +19,7 @@ import trio
 from orchestrion import AsyncServer, Model
 from orchestrion.actors import EnsembleRunner, ModelRunner
 from orchestrion.actors._fusion import Fusion
+from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,
@@ -249,6 +250,19 @@ async def settled(server: AsyncServer, name: str = "pipe") -> bool:
         while (f := _fusion_of(server, name)) is not None and f._compiling:  # noqa: ASYNC110
             await trio.sleep(0.01)
     return fused(server, name)
+
+
+async def infer_until_fused(
+    server: AsyncServer, name: str, inputs: Mapping[str, Any], windows: int = 25
+) -> bool:
+    """Ask ``name`` with ``inputs`` until it has run fused (`settled`), at most ``windows``
+    windows of executions; whether it did. Its steps run inline, and so fuse, once a window
+    of their executions proves short: on a busy machine that can take more than one."""
+    for _ in range(windows * SWITCH_WINDOW):
+        await server.infer(name, dict(inputs))
+        if await settled(server, name):
+            return True
+    return False
 
 
 def _fusion_of(server: AsyncServer, name: str) -> Fusion | None:

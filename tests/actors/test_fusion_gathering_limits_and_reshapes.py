@@ -17,7 +17,16 @@ import trio
 import orchestrion
 from orchestrion import InferenceError
 from orchestrion.protocols import DynamicBatching, Reshape
-from orchestrion.testing import ensemble, fused, model, settled, step, tensor, with_fusion
+from orchestrion.testing import (
+    ensemble,
+    fused,
+    infer_until_fused,
+    model,
+    settled,
+    step,
+    tensor,
+    with_fusion,
+)
 
 MODES = ("on", "off")
 
@@ -258,9 +267,7 @@ async def test_a_fusable_request_waits_only_for_the_scheduled_requests_before_it
         with_fusion(pipe, "on"),
     ]
     async with orchestrion.open_server(models=models) as server:
-        for _ in range(20):
-            await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": np.ones(16, np.float32)})
         finished: list[str] = []
 
         async def new_shapes(first: int) -> None:

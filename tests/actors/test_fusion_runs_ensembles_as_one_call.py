@@ -15,12 +15,12 @@ import trio
 
 import orchestrion
 from orchestrion import InferenceError, InferenceTimeoutError
-from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import DynamicBatching
 from orchestrion.testing import (
     StepRecorder,
     ensemble,
     fused,
+    infer_until_fused,
     model,
     settled,
     step,
@@ -115,15 +115,14 @@ async def test_reloading_a_composing_model_rebuilds_the_fusion() -> None:
     """After segment is reloaded with another function, fused requests use the new one."""
     async with orchestrion.open_server(models=_models()) as server:
         x = RNG.standard_normal(16).astype(np.float32)
-        await server.infer("pipe", {"IN": x})
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": x})
         before = await server.infer("pipe", {"IN": x})
         np.testing.assert_allclose(before.outputs["SEG"], -(x * 2 + 1), rtol=1e-5)
         await server.load_model(
             model("segment", lambda X: {"S": X * 10}, [tensor("X")], [tensor("S")])
         )
         first = await server.infer("pipe", {"IN": x})  # the scheduler's, while it compiles
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": x})
         after = await server.infer("pipe", {"IN": x})
     np.testing.assert_allclose(first.outputs["SEG"], (x * 2 + 1) * 10, rtol=1e-5)
     np.testing.assert_allclose(after.outputs["SEG"], (x * 2 + 1) * 10, rtol=1e-5)
@@ -160,14 +159,7 @@ async def test_variable_shapes_compile_off_the_loop_under_concurrency() -> None:
     are all answered right: a new shape takes the scheduler's path, which compiles it in a
     worker thread, and runs fused afterwards."""
     async with orchestrion.open_server(models=_models(dims=(-1,))) as server:
-        # A busy machine may make every call of a window slow (a thread holding the GIL):
-        # keep calling until the steps have come inline and a request ran fused, at most
-        # 25 windows.
-        for _ in range(25 * SWITCH_WINDOW):
-            await server.infer("pipe", {"IN": np.ones(16, np.float32)})
-            if await settled(server):
-                break
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": np.ones(16, np.float32)})
         answers: dict[int, Any] = {}
 
         async def one(i: int) -> None:
@@ -192,8 +184,7 @@ async def test_a_fused_result_past_its_deadline_is_a_timeout() -> None:
     the request's deadline is a timeout, not an answer."""
     async with orchestrion.open_server(models=_models()) as server:
         x = np.ones(16, np.float32)
-        await server.infer("pipe", {"IN": x})
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": x})
         with trio.move_on_at(trio.current_time() - 1) as scope:  # a deadline already passed
             await server.infer("pipe", {"IN": x})
         assert scope.cancelled_caught
@@ -353,8 +344,7 @@ async def test_xla_mode_compiles_the_whole_graph_in_the_background() -> None:
     and answer the reference (to rounding: XLA may optimise across steps)."""
     async with orchestrion.open_server(models=_models(fusion="xla")) as server:
         x = RNG.standard_normal(16).astype(np.float32)
-        await server.infer("pipe", {"IN": x})
-        assert await settled(server)
+        assert await infer_until_fused(server, "pipe", {"IN": x})
         fusion = server._registry.resolve("pipe")._fusion
         assert fusion is not None
         assert fusion.mode == "xla"
