@@ -21,9 +21,9 @@ Running out of descriptors or connection slots logs one line per episode, not on
 
 Why not hypercorn (which serves /metrics): its layers (a task per request, ASGI messages
 through channels, timers per request) cost 273 µs of server CPU per ``GET /v2/health/live``
-under perf_analyzer at concurrency 4; this loop costs 107 µs (docs/performance.md, "The
-network front ends, side by side with a real Triton", item 1 of what was tried; no script
-in bench/ measures it).
+under perf_analyzer at concurrency 4; this loop costs 107 µs (docs/performance-history.md,
+"The network front ends against Triton, before fusion", item 1; no script in bench/
+measures it).
 
 `HttpServer.serve` runs until `HttpServer.stop`; `orchestrion.frontends._http_api.serve_http_api`
 binds the listeners and ties that stop to a `Shutdown`.
