@@ -320,41 +320,37 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     if isinstance(triton_model, type):
         if entry.auto_complete:
             config = auto_complete(triton_model, config, config_source)
-        model = Model(
+        return _checked(
+            Model(
+                config=config,
+                triton_model=triton_model,
+                jit=False,
+                version=version,
+                source=str(path),
+                config_source=config_source,
+                revision=fingerprint,
+                labels=labels,
+            )
+        )
+    if not entry.config_source and not (entry.path / entry.config_file).is_file():
+        raise ConfigError(
+            f"{entry.path / CONFIG_FILE}: missing (only a model.py that defines "
+            "TritonPythonModel can do without one)"
+        )
+    return _checked(
+        Model(
             config=config,
-            triton_model=triton_model,
-            jit=False,
+            execute=getattr(module, "execute", None),
+            initialize=getattr(module, "initialize", None),
+            initial_state=getattr(module, "initial_state", None),
+            jit=bool(getattr(module, "JIT", True)),
             version=version,
             source=str(path),
             config_source=config_source,
             revision=fingerprint,
             labels=labels,
         )
-        errors = check_model(model)
-        if errors:
-            raise ConfigError(errors)
-        return model
-    if not entry.config_source and not (entry.path / entry.config_file).is_file():
-        raise ConfigError(
-            f"{entry.path / CONFIG_FILE}: missing (only a model.py that defines "
-            "TritonPythonModel can do without one)"
-        )
-    model = Model(
-        config=config,
-        execute=getattr(module, "execute", None),
-        initialize=getattr(module, "initialize", None),
-        initial_state=getattr(module, "initial_state", None),
-        jit=bool(getattr(module, "JIT", True)),
-        version=version,
-        source=str(path),
-        config_source=config_source,
-        revision=fingerprint,
-        labels=labels,
     )
-    errors = check_model(model)
-    if errors:
-        raise ConfigError(errors)
-    return model
 
 
 def _onnx_model(
@@ -371,17 +367,27 @@ def _onnx_model(
         ConfigError: the config disagrees with the graph, or breaks a rule.
     """
     path = entry.model_file(version)
-    model = Model(
-        config=complete_onnx_config(
-            entry.config, path, config_source, complete=entry.auto_complete
-        ),
-        onnx=path,
-        version=version,
-        source=str(path),
-        config_source=config_source,
-        revision=fingerprint,
-        labels=labels,
+    return _checked(
+        Model(
+            config=complete_onnx_config(
+                entry.config, path, config_source, complete=entry.auto_complete
+            ),
+            onnx=path,
+            version=version,
+            source=str(path),
+            config_source=config_source,
+            revision=fingerprint,
+            labels=labels,
+        )
     )
+
+
+def _checked(model: Model) -> Model:
+    """``model``, once `check_model` finds nothing wrong with it.
+
+    Raises:
+        ConfigError: what it found.
+    """
     errors = check_model(model)
     if errors:
         raise ConfigError(errors)
