@@ -81,6 +81,8 @@ def load_network() -> ModuleType:
 
 NET = load_network()
 SHAPE = (3, NET.SIZE, NET.SIZE)
+VARIANTS = ("ONNX Runtime, direct", "orchestrion ONNX", "orchestrion JAX", "JAX jit, direct")
+"""The rows of each table, in order."""
 
 
 def _config(name: str, batching: bool, **more: Any) -> ModelConfig:
@@ -238,12 +240,7 @@ async def one_client(batches: list[int], seconds: float, repeats: int) -> list[l
                     found.setdefault((batch, name), []).append(result)
     rows = []
     for batch in batches:
-        for name in (
-            "ONNX Runtime, direct",
-            "orchestrion ONNX",
-            "orchestrion JAX",
-            "JAX jit, direct",
-        ):
+        for name in VARIANTS:
             results = found[(batch, name)]
             rate = statistics.median(r[0] for r in results)
             rows.append(
@@ -278,12 +275,7 @@ async def many_clients(clients: list[int], seconds: float, repeats: int) -> list
                     found.setdefault((count, name), []).append(result)
     rows = []
     for count in clients:
-        for name in (
-            "ONNX Runtime, direct",
-            "orchestrion ONNX",
-            "orchestrion JAX",
-            "JAX jit, direct",
-        ):
+        for name in VARIANTS:
             results = found[(count, name)]
             batch = statistics.median(r[3] for r in results)
             rows.append(

@@ -70,6 +70,8 @@ HOST=127.0.0.1
 
 log() { printf '[vs_mlserver %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+# shellcheck source=bench/_servers.sh
+source "$ROOT/bench/_servers.sh"
 
 # ---------------------------------------------------------------- set-up (idempotent)
 
@@ -110,32 +112,6 @@ ports_of() {
     orchestrion) echo "$ORCHESTRION_PORTS" ;;
     *) die "unknown server '$1' (mlserver, mlserver-lean or orchestrion)" ;;
   esac
-}
-
-port_free() { ! (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
-
-# descendants PID: the process and every process below it, one per line.
-descendants() {
-  local frontier=("$1") next p child depth
-  echo "$1"
-  for depth in $(seq 1 8); do
-    next=()
-    for p in "${frontier[@]}"; do
-      for child in $(pgrep -P "$p" 2>/dev/null); do next+=("$child"); echo "$child"; done
-    done
-    [ "${#next[@]}" -gt 0 ] || break
-    frontier=("${next[@]}")
-  done
-}
-
-# peak_rss PID: peak resident memory in KiB (VmHWM) summed over the process tree, and the count.
-peak_rss() {
-  local total=0 count=0 p hwm
-  for p in $(descendants "$1"); do
-    hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$p/status" 2>/dev/null || true)
-    [ -n "$hwm" ] && total=$((total + hwm)) && count=$((count + 1))
-  done
-  echo "$total $count"
 }
 
 declare -A SERVER_PIDS=()
@@ -199,7 +175,7 @@ start_server() {
     sleep 0.5
   done
   local took
-  took="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')"
+  took="$(seconds_since "$t0")"
   log "$name ready in $took s, pid $pid"
   echo "$took" >"$RESULTS/$name/startup_cache-off.txt"
 }
@@ -218,16 +194,8 @@ measure() {
       ;;
   esac
   out="$RESULTS/$name/${proto}_cache-off_c${c}"
-  rm -f "$out.csv"
   log "$name $proto concurrency=$c"
-  if ! LD_LIBRARY_PATH="$PEERS/lib" timeout "$PA_TIMEOUT" stdbuf -oL "$PERF_ANALYZER" \
-    -m ensemble -u "$url" -i "$proto" -b 1 --concurrency-range "$c:$c" \
-    --input-data random --measurement-interval "$MEASUREMENT_INTERVAL" \
-    --stability-percentage "$STABILITY" --max-trials "$MAX_TRIALS" -v "${format[@]}" \
-    -f "$out.csv" >"$out.log" 2>&1; then
-    log "perf_analyzer did not finish a stable measurement (log: $out.log):"
-    grep -E 'Pass \[|Failed|error|Error' "$out.log" | tail -n 3 >&2 || true
-  fi
+  run_perf_analyzer "$out" "$url" "$proto" "$c" "${format[@]}"
 }
 
 # ---------------------------------------------------------------- main

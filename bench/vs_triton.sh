@@ -67,6 +67,8 @@ HOST=127.0.0.1
 
 log() { printf '[vs_triton %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+# shellcheck source=bench/_servers.sh
+source "$ROOT/bench/_servers.sh"
 
 # ---------------------------------------------------------------- set-up (idempotent)
 
@@ -128,27 +130,8 @@ stop_server() {
   wait "$SERVER_PID" 2>/dev/null || true
   SERVER_PID=""
 }
-# peak_rss PID: the server's peak resident memory in KiB, summed over the process and its
-# descendants (Triton's Python-backend stubs are processes of their own): each one's VmHWM.
-peak_rss() {
-  local pids=("$1") frontier=("$1") next child total=0 count=0 hwm
-  while [ "${#frontier[@]}" -gt 0 ]; do
-    next=()
-    for p in "${frontier[@]}"; do
-      for child in $(pgrep -P "$p" 2>/dev/null); do next+=("$child"); pids+=("$child"); done
-    done
-    frontier=("${next[@]}")
-  done
-  for p in "${pids[@]}"; do
-    hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$p/status" 2>/dev/null || true)
-    [ -n "$hwm" ] && total=$((total + hwm)) && count=$((count + 1))
-  done
-  echo "$total $count"
-}
 trap stop_server EXIT
 trap 'exit 130' INT TERM
-
-port_free() { ! (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
 
 # start_server NAME CACHE LOG: starts it in the background, waits for /v2/health/ready.
 start_server() {
@@ -201,7 +184,7 @@ start_server() {
     sleep 0.5
   done
   local took
-  took="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')"
+  took="$(seconds_since "$t0")"
   log "$name (cache $cache) ready in $took s, pid $SERVER_PID"
   echo "$took" >"$RESULTS/$name/startup_cache-$cache.txt"
 }
@@ -228,18 +211,8 @@ measure() {
     esac
     for c in $CONCURRENCY; do
       out="$RESULTS/$name/${proto}_cache-${cache}_c${c}"
-      rm -f "$out.csv"
       log "$name $proto cache=$cache concurrency=$c"
-      # -v logs each window ("Pass [n]"): report.py falls back on the last one when no
-      # window stabilised. stdbuf keeps the log complete when timeout stops it.
-      if ! LD_LIBRARY_PATH="$PEERS/lib" timeout "$PA_TIMEOUT" stdbuf -oL "$PERF_ANALYZER" \
-        -m ensemble -u "$url" -i "$proto" -b 1 --concurrency-range "$c:$c" \
-        --input-data random --measurement-interval "$MEASUREMENT_INTERVAL" \
-        --stability-percentage "$STABILITY" --max-trials "$MAX_TRIALS" -v \
-        -f "$out.csv" >"$out.log" 2>&1; then
-        log "perf_analyzer did not finish a stable measurement (log: $out.log):"
-        grep -E 'Pass \[|Failed|error|Error' "$out.log" | tail -n 3 >&2 || true
-      fi
+      run_perf_analyzer "$out" "$url" "$proto" "$c"
     done
   done
 }
