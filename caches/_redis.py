@@ -143,10 +143,10 @@ def _pool(settings: RedisSettings) -> tuple[redis.Redis, list[redis.Redis]]:
         sentinel_kwargs = {k: v for k, v in kwargs.items() if k not in ("username", "password")} | {
             "password": settings.sentinel_password or None
         }
-        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
         )
-        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
             settings.sentinel_master,
             db=settings.db,
             max_connections=settings.pool_size,
@@ -156,7 +156,7 @@ def _pool(settings: RedisSettings) -> tuple[redis.Redis, list[redis.Redis]]:
     if settings.tls:
         kwargs.pop("ssl")
         kwargs["connection_class"] = redis.SSLConnection
-    pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+    pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call, unused-ignore]
         host=settings.host,
         port=settings.port,
         db=settings.db,
