@@ -19,6 +19,7 @@ stream is not counted: it lasts as long as its caller reads, and its steps then 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ from ._ensemble_scheduler import Router, Scheduler, Step
 from ._ensemble_streams import EnsembleStreams
 from ._fusion import Fusion
 from ._stats import StatsRecorder
+
+_log = logging.getLogger("orchestrion")
 
 
 @attrs.define(eq=False)
@@ -247,6 +250,9 @@ class EnsembleRunner:
     ) -> InferResponse:
         mbs = self.config.max_batch_size
         outputs = {t: tensors[t] for t in requested if t in tensors}
+        if len(outputs) < len(requested) and _log.isEnabledFor(logging.DEBUG):
+            for name in sorted(requested - outputs.keys()):  # Triton's verbose line
+                _log.debug("Composing models did not output tensor %s", name)
         for tensor in self.config.output:
             value = outputs.get(tensor.name)
             if value is None:

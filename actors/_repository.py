@@ -25,6 +25,7 @@ import xxhash
 
 from ..backends import auto_complete, complete_onnx_config, import_code_file
 from ..protocols import (
+    ENSEMBLE_PLATFORM,
     ONNX_PLATFORM,
     ConfigError,
     ModelConfig,
@@ -139,6 +140,23 @@ def _without_config(path: Path) -> ModelConfig | None:
     return None
 
 
+def with_backend(config: ModelConfig, path: Path) -> ModelConfig:
+    """``config`` with the platform Triton finds for it when it names none and no backend:
+    ``ensemble`` for a config with ``ensemble_scheduling``, ONNX Runtime when
+    ``default_model_filename`` is ``model.onnx`` or a version folder of ``path`` holds a
+    ``model.onnx`` (as Triton's auto-complete of the backend fields does, for configs on disk
+    and load requests' overrides alike); otherwise ``config`` as it is (a ``model.py``)."""
+    if config.platform or config.backend:
+        return config
+    if config.ensemble_scheduling is not None:
+        return attrs.evolve(config, platform=ENSEMBLE_PLATFORM)
+    if config.default_model_filename:
+        onnx = config.default_model_filename == DEFAULT_ONNX_FILE
+    else:
+        onnx = any((path / str(v) / DEFAULT_ONNX_FILE).exists() for v in _version_folders(path))
+    return attrs.evolve(config, platform=ONNX_PLATFORM) if onnx else config
+
+
 def is_model_folder(path: Path) -> bool:
     """Whether ``path`` is a model folder: it has a ``config.pbtxt``, or a version folder
     whose files say what the model is (see `_without_config`)."""
@@ -186,6 +204,7 @@ def scan_model_folder(
         except (OSError, UnicodeDecodeError) as exc:
             return None, [f"{config_path}: cannot be read: {exc}"]
     errors = []
+    config = with_backend(config, path)
     if not config.name:
         config = attrs.evolve(config, name=path.name)
     elif config.name != path.name:

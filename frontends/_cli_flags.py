@@ -203,7 +203,18 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         type=float,
         default=body_timeout,
         metavar="SECONDS",
-        help=f"time a request body may go without progress (408 beyond; default: {body_timeout:g})",
+        help=f"time a request body may go without progress, and the start of its whole "
+        f"deadline (408 beyond; default: {body_timeout:g})",
+    )
+    min_rate = _default("http_body_min_rate")
+    network.add_argument(
+        "--http-body-min-rate",
+        type=float,
+        default=min_rate,
+        metavar="BYTES_PER_S",
+        help="rate a request body must average: each byte received extends its deadline by "
+        f"1/rate seconds past --http-body-timeout (408 beyond; 0: no deadline; default: "
+        f"{min_rate:g}, Apache's MinRate)",
     )
     max_message = _default("grpc_max_message_size")
     network.add_argument(
@@ -346,6 +357,7 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         http_max_connections=args.http_max_connections,
         http_header_timeout=args.http_header_timeout,
         http_body_timeout=args.http_body_timeout,
+        http_body_min_rate=args.http_body_min_rate,
         grpc_max_message_size=args.grpc_max_message_size,
         allow_client_shm=args.allow_client_shm,
         max_shm_regions=args.max_shm_regions,

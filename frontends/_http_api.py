@@ -51,6 +51,7 @@ from ..protocols._kserve_status import error_message, http_status
 from ..protocols._model_load import load_override_from_http
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._http_server import (
+    DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     Answer,
@@ -396,6 +397,7 @@ async def serve_http_api(
     exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE,
     max_connections: int | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -410,7 +412,10 @@ async def serve_http_api(
 
     Args:
         header_timeout: seconds a request head may take to arrive (408 beyond).
-        body_timeout: seconds a request body may go without progress (408 beyond).
+        body_timeout: seconds a request body may go without progress (408 beyond), and
+            the start of its whole deadline.
+        body_min_rate: bytes a second a body must average (each extends its deadline by
+            ``1 / body_min_rate`` s; 408 beyond); 0: no deadline but ``body_timeout``'s.
         max_connections: connections served at once, more are answered 503; None: half
             the open-file limit, at most 4,096 (`default_max_connections`).
 
@@ -422,6 +427,8 @@ async def serve_http_api(
         raise ConfigError(f"HTTP port {port} is not a TCP port (0-65535; 0: any free port)")
     if not (header_timeout > 0 and body_timeout > 0):
         raise ConfigError("--http-header-timeout and --http-body-timeout must be > 0")
+    if not body_min_rate >= 0:
+        raise ConfigError(f"--http-body-min-rate must be >= 0, not {body_min_rate}")
     if max_connections is not None and max_connections < 1:
         raise ConfigError(f"--http-max-connections must be >= 1, not {max_connections}")
     server = HttpServer(
@@ -430,6 +437,7 @@ async def serve_http_api(
         api.refuse,
         header_timeout=header_timeout,
         body_timeout=body_timeout,
+        body_min_rate=body_min_rate,
         max_connections=max_connections or default_max_connections(),
     )
     try:

@@ -10,11 +10,17 @@ cancels what is left, answering each request it cuts off with a 503.
 
 Limits, so that slow or silent clients cannot hold the server: at most ``max_connections``
 connections at once (by default half the open-file limit, so descriptors remain for gRPC,
-metrics, Redis and model files); a connection over it is accepted, answered 503 and closed.
-A request head must arrive whole within ``header_timeout`` (counted from the connection's
-start for its first request, from the head's first byte for later ones) and a body must make
-progress every ``body_timeout`` seconds, else a 408 answers and the connection closes. An
-idle keep-alive connection closes silently after ``keep_alive``. A request with both
+metrics, Redis and model files). At the limit, a newcomer first takes the place of the oldest
+connection that has not sent a byte yet (closed without a word, as nginx does: such a
+connection costs its client nothing to reopen, and the newcomer may be real); only when none
+is left is the newcomer accepted, answered 503 and closed. A request head must arrive whole
+within ``header_timeout`` (counted from the connection's start for its first request, from
+the head's first byte for later ones); a body must make progress every ``body_timeout``
+seconds and arrive whole by ``body_timeout`` seconds plus one second per ``body_min_rate``
+bytes received (Apache's ``mod_reqtimeout`` ``body=...,MinRate=...``), so that a body
+trickled a byte at a time cannot hold a connection for ever. Either way a 408 answers, the
+connection closes, and one line is logged per episode of such clients. An idle keep-alive
+connection closes silently after ``keep_alive``. A request with both
 Content-Length and Transfer-Encoding is read as chunked (as RFC 9112 §6.1 allows), then its
 connection is closed (as it requires), so nothing after its body is ever read as a request.
 Running out of descriptors or connection slots logs one line per episode, not one per accept.
@@ -54,7 +60,11 @@ MAX_HEADER_SIZE = 64 * 1024
 DEFAULT_HEADER_TIMEOUT = 60.0
 """Seconds a request head may take to arrive whole (nginx's ``client_header_timeout``)."""
 DEFAULT_BODY_TIMEOUT = 60.0
-"""Seconds a request body may go without progress (nginx's ``client_body_timeout``)."""
+"""Seconds a request body may go without progress (nginx's ``client_body_timeout``), and
+the start of its whole deadline."""
+DEFAULT_BODY_MIN_RATE = 500.0
+"""Bytes per second a body must average: each extends its deadline by ``1 / rate`` seconds
+(Apache's ``MinRate`` default)."""
 MAX_DEFAULT_CONNECTIONS = 4096
 """The most connections `default_max_connections` allows, however high the file limit."""
 _JOIN_LIMIT = 1 << 20
@@ -70,6 +80,9 @@ _TURN_AWAY_QUIET = 0.05
 how long the linger waits for a first byte from a client that has sent none."""
 _EXPIRED_GRACE = 1.0
 """After the exit timeout: how long the 503s of the requests cut off may take to go out."""
+_EVICTING = 32
+"""Connections closed for newcomers that may be closing at once (their descriptors are still
+open until their tasks run); more newcomers wait in the kernel's backlog meanwhile."""
 _ACCEPT_RETRY = 0.1
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 """Errors of accept(2) that mean the process or system is out of something: retry later."""
@@ -115,6 +128,27 @@ class _TooSlow(Exception):
 
 
 @attrs.define(eq=False)
+class _Episode:
+    """Occurrences of one kind of trouble (slow clients, connections closed for newcomers),
+    logged once when an episode starts: an episode ends after `_EPISODE_QUIET` quiet
+    seconds, and the next line says how many the last one had."""
+
+    what: str
+    count: int = 0
+    _last: float = -math.inf
+
+    def happened(self, detail: str) -> None:
+        """Count one occurrence; log it if it starts an episode."""
+        now = trio.current_time()
+        if now - self._last > _EPISODE_QUIET:
+            before = f" (the last episode: {self.count})" if self.count else ""
+            _log.warning("%s: %s; logged once per episode%s", self.what, detail, before)
+            self.count = 0
+        self.count += 1
+        self._last = now
+
+
+@attrs.define(eq=False)
 class HttpServer:
     """Serves ``handler`` on listeners until `stop`; see the module docstring."""
 
@@ -127,12 +161,30 @@ class HttpServer:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     """Seconds a request head may take (408 beyond); see the module docstring."""
     body_timeout: float = DEFAULT_BODY_TIMEOUT
-    """Seconds a request body may go without receiving a byte (408 beyond)."""
+    """Seconds a request body may go without receiving a byte (408 beyond); the start of its
+    whole deadline."""
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE
+    """Bytes a second a body must average: each byte received extends its deadline by
+    ``1 / body_min_rate`` seconds (408 beyond); 0: no deadline but ``body_timeout``'s."""
     max_connections: int = attrs.field(factory=default_max_connections)
-    """Connections served at once; more are answered 503 and closed."""
+    """Connections served at once; more take the place of silent ones, else get 503."""
     _stopping: bool = False
     _expired: bool = False
     _idle: set[trio.CancelScope] = attrs.field(factory=set)
+    _silent: dict[trio.CancelScope, None] = attrs.field(factory=dict)
+    """Connections waiting for their first byte, oldest first (an ordered set)."""
+    _evicted: set[trio.CancelScope] = attrs.field(factory=set)
+    """Silent connections closed for newcomers, not yet gone (counted in ``_active``)."""
+    _evictions_done: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+    _slow: _Episode = attrs.field(
+        factory=lambda: _Episode("HTTP clients too slow: a request head or body cut off, 408")
+    )
+    _evictions: _Episode = attrs.field(
+        factory=lambda: _Episode(
+            "HTTP connection limit reached: connections that sent nothing closed, oldest "
+            "first, to serve new ones"
+        )
+    )
     _conversations: set[trio.CancelScope] = attrs.field(factory=set)
     _accepting: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _active: int = 0
@@ -204,18 +256,43 @@ class HttpServer:
                 self._last_accept_failure = now
                 await trio.sleep(_ACCEPT_RETRY)
                 continue
-            if self._active >= self.max_connections:
+            if self._open() >= self.max_connections and self._silent:
+                try:
+                    await self._evict_silent()
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+            if self._open() >= self.max_connections:
                 try:
                     await self._turning_away.acquire()  # the kernel's backlog holds the rest
                 except BaseException:
                     await trio.aclose_forcefully(stream)
                     raise
-                if self._active >= self.max_connections:  # still, after that wait
+                if self._open() >= self.max_connections:  # still, after that wait
                     connections.start_soon(self._turn_away, stream)
                     continue
                 self._turning_away.release()
             self._active += 1  # now, not in the task: the next accept sees it
             connections.start_soon(self._connection, stream)
+
+    def _open(self) -> int:
+        """Connections held, less those closed for newcomers and on their way out."""
+        return self._active - len(self._evicted)
+
+    async def _evict_silent(self) -> None:
+        """Close the oldest connection that has not sent a byte, for a newcomer (at most
+        `_EVICTING` on their way out at once: the next waits for one to be gone)."""
+        while len(self._evicted) >= _EVICTING:
+            await self._evictions_done.park()
+        if not self._silent:  # one spoke meanwhile
+            return
+        scope = next(iter(self._silent))
+        del self._silent[scope]
+        self._evicted.add(scope)
+        scope.cancel()
+        self._evictions.happened(
+            f"{self._active} open, --http-max-connections {self.max_connections}"
+        )
 
     def _connection_closed(self) -> None:
         # The episode of refusals ends once a quarter of the connections have closed, so a
@@ -334,18 +411,30 @@ class HttpServer:
                 return
 
     async def _wait_for_request(
-        self, stream: trio.SocketStream, connection: h11.Connection, deadline: float
+        self,
+        stream: trio.SocketStream,
+        connection: h11.Connection,
+        deadline: float,
+        *,
+        first: bool,
     ) -> bool:
-        """Wait (until ``deadline``, or a stop) for a request's first bytes; False: none
-        came, and the connection closes silently."""
+        """Wait (until ``deadline``, a stop, or, for the ``first`` request, a newcomer that
+        needs the place) for a request's first bytes; False: none came, and the connection
+        closes silently."""
         if connection.trailing_data[0] or connection.trailing_data[1]:
             return True  # pipelined, or end-of-file seen already
         with trio.move_on_at(deadline) as scope:
             self._idle.add(scope)
+            if first:
+                self._silent[scope] = None
             try:
                 data = await stream.receive_some(_HEAD_READ_SIZE)
             finally:
                 self._idle.discard(scope)
+                self._silent.pop(scope, None)
+                if scope in self._evicted:
+                    self._evicted.discard(scope)  # its descriptor closes right after this
+                    self._evictions_done.unpark()
         if scope.cancelled_caught:
             return False
         connection.receive_data(data)
@@ -380,7 +469,7 @@ class HttpServer:
     ) -> HttpRequest | None:
         start = trio.current_time()
         wait = self.header_timeout if first else self.keep_alive
-        if not await self._wait_for_request(stream, connection, start + wait):
+        if not await self._wait_for_request(stream, connection, start + wait, first=first):
             return None
         if not first:
             start = trio.current_time()
@@ -391,10 +480,12 @@ class HttpServer:
                 stream, connection, _HEAD_READ_SIZE, deadline=start + self.header_timeout
             )
         except _TooSlow:
-            raise _TooSlow(
+            message = (
                 f"the request head did not arrive within {self.header_timeout:g} s "
                 "(--http-header-timeout)"
-            ) from None
+            )
+            self._slow.happened(message)
+            raise _TooSlow(message) from None
         if isinstance(event, h11.ConnectionClosed):
             return None
         assert isinstance(event, h11.Request)
@@ -412,16 +503,16 @@ class HttpServer:
             )
         parts: list[bytes] = []
         size = 0
+        body_start = trio.current_time()
+        per_byte = 1 / self.body_min_rate if self.body_min_rate > 0 else 0.0
         while True:
+            deadline = body_start + self.body_timeout + size * per_byte if per_byte else math.inf
             try:
                 part = await self._next_event(
-                    stream, connection, _READ_SIZE, stall=self.body_timeout
+                    stream, connection, _READ_SIZE, deadline=deadline, stall=self.body_timeout
                 )
             except _TooSlow:
-                raise _TooSlow(
-                    f"the request body made no progress for {self.body_timeout:g} s "
-                    f"({size} bytes received; --http-body-timeout)"
-                ) from None
+                raise self._slow_body(size, body_start, deadline) from None
             if isinstance(part, h11.Data):
                 size += len(part.data)
                 if size > self.max_body:
@@ -437,6 +528,23 @@ class HttpServer:
             headers=headers,
             body=parts[0] if len(parts) == 1 else b"".join(parts),
         )
+
+    def _slow_body(self, size: int, start: float, deadline: float) -> _TooSlow:
+        """The error (and the episode's log line) for a body that came too slowly."""
+        now = trio.current_time()
+        if now >= deadline:
+            message = (
+                f"the request body arrived too slowly: {size} bytes in {now - start:.0f} s, "
+                f"below {self.body_min_rate:g} bytes/s after the first "
+                f"{self.body_timeout:g} s (--http-body-min-rate, --http-body-timeout)"
+            )
+        else:
+            message = (
+                f"the request body made no progress for {self.body_timeout:g} s "
+                f"({size} bytes received; --http-body-timeout)"
+            )
+        self._slow.happened(message)
+        return _TooSlow(message)
 
     def _too_large(self, size: int) -> str:
         return (  # Triton's words: clients match on them

@@ -42,7 +42,7 @@ from ._control import (
 )
 from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE, serve_grpc_api
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, serve_http_api
-from ._http_server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+from ._http_server import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 from ._uploads import UploadFolders, open_upload_folders
@@ -86,6 +86,7 @@ class ServeOptions:
     """None: `default_max_connections` (half the open-file limit, within a cap)."""
     http_header_timeout: float = DEFAULT_HEADER_TIMEOUT
     http_body_timeout: float = DEFAULT_BODY_TIMEOUT
+    http_body_min_rate: float = DEFAULT_BODY_MIN_RATE
     grpc_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     allow_client_shm: bool | None = None
     """Whether clients may use system shared memory (Triton's ``--allow-client-shm``);
@@ -290,6 +291,7 @@ async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None
             exit_timeout=options.exit_timeout,
             header_timeout=options.http_header_timeout,
             body_timeout=options.http_body_timeout,
+            body_min_rate=options.http_body_min_rate,
             max_connections=options.http_max_connections,
         )
     )

@@ -18,6 +18,7 @@ from ._cache_key import encode_entry as encode_entry
 from ._cache_key import entry_cost as entry_cost
 from ._cache_key import frozen_outputs as frozen_outputs
 from ._cache_key import shared_outputs as shared_outputs
+from ._config import ENSEMBLE_PLATFORM as ENSEMBLE_PLATFORM
 from ._config import ONNX_BACKEND as ONNX_BACKEND
 from ._config import ONNX_PLATFORM as ONNX_PLATFORM
 from ._config import DynamicBatching as DynamicBatching

@@ -88,11 +88,24 @@ class WireRequest:
 
 
 def parse_version(text: str) -> int:
-    """A model version from a URL or a message field: empty means the latest (-1)."""
+    """A model version from a URL or a message field: empty means the latest (-1).
+
+    Raises:
+        InvalidRequestError: not a version number, in Triton's words (its clients match
+            them: ``grpc_explicit_int8_content_client.py``).
+    """
     if text in ("", "-1"):
         return -1
+    shown = text if len(text) <= 100 else text[:100] + "..."
+    if text.isascii() and text.startswith("-") and text[1:].isdigit():
+        raise InvalidRequestError(
+            f"invalid model version specified '{shown}' , version should be an integral value > 0"
+        )
     if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        raise InvalidRequestError(f"invalid model version '{text:.40}': expected an integer")
+        raise InvalidRequestError(
+            f"failed to get model version from specified version string '{shown}' "
+            "(details: stol), version should be an integral value > 0"
+        )
     return int(text)
 
 

@@ -79,6 +79,32 @@ async def test_repository_ensemble_runs(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out, X + 10)
 
 
+async def test_a_config_without_platform_or_backend_gets_the_one_its_files_say(
+    tmp_path: Path,
+) -> None:
+    """As Triton's auto-complete of the backend fields: a config naming no platform or
+    backend is an ensemble when it has ``ensemble_scheduling`` and an ONNX model when its
+    version folder holds a ``model.onnx``; a ``model.py`` is served as before."""
+    from support.onnx_graphs import add
+
+    write_ensemble(tmp_path)
+    config = (tmp_path / "ens" / "config.pbtxt").read_text()
+    (tmp_path / "ens" / "config.pbtxt").write_text(config.replace('platform: "ensemble"', ""))
+    onnx = tmp_path / "adder"
+    (onnx / "1").mkdir(parents=True)
+    (onnx / "1" / "model.onnx").write_bytes(add())
+    (onnx / "config.pbtxt").write_text('max_batch_size: 8\n')  # the rest from the graph
+    async with orchestrion.open_server(tmp_path) as server:
+        assert server.model_config("ens").platform == "ensemble"
+        assert server.model_config("adder").platform == "onnxruntime_onnx"
+        assert [t.name for t in server.model_config("adder").input] == ["A", "B"]
+        out = (await server.infer("ens", {"IN": X})).outputs["OUT"]
+        a = np.ones((1, 4), np.float32)
+        total = (await server.infer("adder", {"A": a, "B": a})).outputs["SUM"]
+    np.testing.assert_array_equal(out, X + 10)
+    np.testing.assert_array_equal(total, a * 2)
+
+
 @pytest.mark.parametrize(
     ("policy", "loaded", "latest_factor"),
     [

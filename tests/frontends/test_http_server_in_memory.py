@@ -475,8 +475,9 @@ async def test_a_body_without_progress_for_the_body_timeout_is_408(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A body that stops coming gets a 408 ``body_timeout`` after its last byte, saying how
-    much arrived; a body that keeps making progress is read, however long it takes."""
-    async with serving(body_timeout=3) as s:
+    much arrived; a body that keeps making progress, fast enough for ``body_min_rate``, is
+    read, however long it takes."""
+    async with serving(body_timeout=3, body_min_rate=1) as s:
         slow = await s.connect()
         await slow.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n")
         for _ in range(5):  # 10 bytes every 2 s: 10 s in all, never 3 s without a byte
@@ -495,6 +496,53 @@ async def test_a_body_without_progress_for_the_body_timeout_is_408(
     assert cut_after == pytest.approx(3)
     assert "10 bytes received" in cut.error()
     assert "--http-body-timeout" in cut.error()
+
+
+async def test_a_body_trickled_below_the_minimum_rate_is_cut_at_its_deadline(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A byte every 5 s (never 60 s without progress) is cut at ``body_timeout`` plus one
+    second per ``body_min_rate`` bytes received: a 408 naming both flags, a close, and one
+    log line for the episode of three such clients; a body at the rate is read whole."""
+    async with serving(body_timeout=60, body_min_rate=500) as s:
+        trickles = [await s.connect() for _ in range(3)]
+        replies: list[Reply] = []
+        began = trio.current_time()
+
+        async def trickle(client: Client) -> None:
+            await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    replies.append(await client.reply())
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(read)
+                for _ in range(1000):
+                    await trio.sleep(5)
+                    await client.send(b"x")
+
+        async with trio.open_nursery() as nursery:
+            for client in trickles:
+                nursery.start_soon(trickle, client)
+        cut_after = trio.current_time() - began
+        for client in trickles:
+            assert await client.closed()
+
+        steady = await s.connect()  # 500 bytes/s for 4 s: 2,000 bytes, 64 s allowed
+        await steady.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n")
+        for _ in range(40):
+            await trio.sleep(0.1)
+            await steady.send(b"y" * 50)
+        whole = await steady.reply()
+    assert 60 <= cut_after < 61, cut_after  # 12 bytes by then: 60.024 s allowed
+    assert [r.status for r in replies] == [408] * 3
+    assert "--http-body-min-rate" in replies[0].error()
+    assert "12 bytes in 60 s" in replies[0].error(), replies[0].error()
+    assert replies[0].headers[b"connection"] == b"close"
+    assert (whole.status, len(whole.body)) == (200, 2000)
+    lines = [r.getMessage() for r in caplog.records if "too slow" in r.getMessage()]
+    assert len(lines) == 1, lines
 
 
 # -- clients that leave, the connection limit, the stop ----------------------------------------
@@ -519,10 +567,14 @@ async def test_a_client_that_leaves_mid_request_cancels_the_handler(
 async def test_connections_over_the_limit_get_503_and_the_others_are_served(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """With ``max_connections`` 2, a third connection gets a 503 naming the flag and a close;
-    the two open ones are still served, and a new one is once one of them leaves."""
+    """With ``max_connections`` 2 held by clients that have sent requests, a third connection
+    gets a 503 naming the flag and a close; the two open ones are still served, and a new one
+    is once one of them leaves."""
     async with serving(max_connections=2) as s:
         first, second = await s.connect(), await s.connect()
+        for client in (first, second):
+            await client.send(GET)
+            assert (await client.reply()).status == 200
         third = await s.connect()
         refused = await third.reply()
         assert await third.closed()
@@ -538,6 +590,37 @@ async def test_connections_over_the_limit_get_503_and_the_others_are_served(
     assert refused.status == 503
     assert "--http-max-connections" in refused.error()
     assert refused.headers[b"connection"] == b"close"
+
+
+async def test_at_the_limit_a_newcomer_takes_the_place_of_the_oldest_silent_connection(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``max_connections`` 3: one client that has spoken and two that never send a
+    byte; each newcomer closes the oldest silent one (without a word) and is served; the one
+    that spoke is never closed for them, a half-sent head is not silent, and one log line
+    covers the episode."""
+    async with serving(max_connections=3) as s:
+        spoke = await s.connect()
+        await spoke.send(GET)
+        assert (await spoke.reply()).status == 200
+        oldest, younger = await s.connect(), await s.connect()
+        newcomer = await s.connect()
+        assert await oldest.closed()
+        await newcomer.send(GET)
+        assert (await newcomer.reply()).status == 200
+        partial = await s.connect()  # takes younger's place, then sends half a head
+        assert await younger.closed()
+        await partial.send(b"GET / HTTP/1.1\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+        late = await s.connect()  # nobody silent is left: a 503
+        refused = await late.reply()
+        await spoke.send(GET)
+        assert (await spoke.reply()).status == 200
+        for client in (oldest, younger, late, partial):
+            await client.aclose()
+    assert refused.status == 503
+    lines = [r.getMessage() for r in caplog.records if "sent nothing closed" in r.getMessage()]
+    assert len(lines) == 1, lines
 
 
 async def test_stop_closes_idle_connections_at_once_and_busy_ones_after_their_answer(

@@ -82,6 +82,21 @@ def test_an_output_left_out_is_missing_from_the_response(
         assert result.as_numpy("OUTPUT0").tolist() == total.tolist()
 
 
+def test_verbose_logging_names_the_output_no_composing_model_gave() -> None:
+    """With --log-verbose 1 the server logs Triton's line for the left-out OUTPUT1 (Triton's
+    qa/L0_simple_ensemble reads its log for it), once per response that lacks it."""
+    line = "Composing models did not output tensor OUTPUT1"
+    served = start_server("--log-verbose", "1", repository=REPOSITORY)
+    try:
+        _infer(served, "grpc", "ensemble_partial_add_sub", ["OUTPUT0", "OUTPUT1"])
+        _infer(served, "http", "ensemble_partial_add_sub", ["OUTPUT0"])  # not asked: no line
+    finally:
+        assert served.stop() == 0, served.text()
+    text = served.text()
+    assert text.count(line) == 1, text
+    assert "did not output tensor OUTPUT0" not in text
+
+
 def test_the_json_answer_without_the_only_output_asked_for(server: Served) -> None:
     """The JSON body, as Triton writes it: ``"outputs": []``."""
     body = {

@@ -175,6 +175,43 @@ def test_unknown_models_and_versions_get_tritons_words(server: Served) -> None:
     client.close()
 
 
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [
+        (
+            "wrong_specification",
+            "failed to get model version from specified version string "
+            "'wrong_specification' (details: stol), version should be an integral value > 0",
+        ),
+        ("-3", "invalid model version specified '-3' , version should be an integral value > 0"),
+        ("1" * 30, "failed to get model version from specified version string '" + "1" * 30),
+    ],
+)
+def test_a_version_that_is_not_a_number_gets_tritons_words(
+    server: Served, version: str, words: str
+) -> None:
+    """A version string that is not a number: INVALID_ARGUMENT / 400 with Triton's sentence
+    (``grpc_explicit_int8_content_client.py`` matches it), over gRPC and HTTP."""
+    client = grpcclient.InferenceServerClient(server.grpc)
+    y = grpcclient.InferInput("Y", [1], "INT32")
+    y.set_data_from_numpy(np.array([3], np.int32))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("square", [y], model_version=version)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert words in str(caught.value)
+    with pytest.raises(InferenceServerException) as metadata:
+        client.get_model_metadata("square", model_version=version)
+    assert words in str(metadata.value)
+    assert client.infer("square", [y]).as_numpy("Z").tolist() == [9]
+    client.close()
+    document = {"inputs": [{"name": "Y", "datatype": "INT32", "shape": [1], "data": [3]}]}
+    answer = requests.post(
+        f"http://{server.http}/v2/models/square/versions/{version}/infer", json=document, timeout=30
+    )
+    assert answer.status_code == 400
+    assert words in answer.json()["error"]
+
+
 def test_a_control_document_nested_250000_deep_is_read_not_crashed_on(server: Served) -> None:
     """The repository index with ``ready`` nested 250,000 deep (past Python's parser): read
     member by member, refused for the member's type in Triton's words, the server live."""

@@ -51,38 +51,35 @@ def server() -> Iterator[Served]:
 # -- descriptors and connections -----------------------------------------------------------
 
 
-def test_more_silent_connections_than_descriptors_get_503_and_others_are_served() -> None:
-    """With 256 descriptors (the connection limit then defaults to 128), 300 silent HTTP
-    connections: those over the limit get a JSON 503 and a close, gRPC and a keep-alive HTTP
-    connection are still served, new HTTP connections are again once the silent ones leave, and
-    the log has one warning about the limit and no EMFILE."""
-    files, flood = 256, 300
+def test_silent_connections_past_the_limit_make_room_for_new_clients() -> None:
+    """With 1,024 descriptors (the connection limit then defaults to 512), 1,100 HTTP
+    connections that never send a byte: each one over the limit takes the place of the oldest
+    silent one, which is closed without a word (as nginx does), so health probes from new
+    clients 3 s and 10 s later are answered 200; gRPC, an open keep-alive connection and
+    /metrics are served meanwhile; one warning line, no 503, no EMFILE."""
+    files, flood = 1024, 1100
+    limit = files // 2
     served = start_server(files=files)
     silent: list[socket.socket] = []
-    statuses: list[int] = []
+    probes: list[tuple[float, int]] = []
     try:
         with socket.create_connection(host_port(served.http), timeout=10) as keeper:
             keeper.sendall(_LIVE)
             assert parse_reply(keeper.recv(65536))[0] == 200
             started = time.monotonic()
             silent = connect_many(served.http, flood)
-            # Those over the limit are answered and closed; the others stay silent.
             for sock in silent:
                 sock.setblocking(False)
             replies = dict.fromkeys(silent, b"")
             closed: dict[socket.socket, float] = {}
-            expected = flood - (files // 2 - 1)  # the keep-alive connection holds one slot
-            deadline = time.monotonic() + 30
-            read_replies(silent, replies, closed, until=deadline, wanted=expected, close=True)
-            refused_in = time.monotonic() - started
-            for sock in closed:
-                status, headers, body = parse_reply(replies[sock])
-                statuses.append(status)
-                assert headers.get("connection") == "close", headers
-                assert "--http-max-connections" in json.loads(body)["error"], body
-            assert statuses == [503] * expected, (len(statuses), set(statuses))
+            expected = flood - (limit - 1)  # the keep-alive connection holds one place
+            read_replies(silent, replies, closed, until=time.monotonic() + 30, wanted=expected)
+            made_room_in = time.monotonic() - started
+            assert len(closed) == expected, (len(closed), expected)
+            assert all(replies[sock] == b"" for sock in closed), "a silent one got an answer"
+            # Oldest first: the kernel hands connections over in the order they came.
+            assert set(closed) == set(silent[:expected])
 
-            # While the limit is reached: gRPC, and the connection that was already open.
             began = time.monotonic()
             with grpcclient.InferenceServerClient(served.grpc) as client:
                 assert client.is_server_live()
@@ -90,27 +87,67 @@ def test_more_silent_connections_than_descriptors_get_503_and_others_are_served(
             keeper.sendall(_LIVE)
             assert parse_reply(keeper.recv(65536))[0] == 200
             assert get(served.metrics, "/metrics")[0] == 200
-            assert get(served.http, "/v2/health/live")[0] == 503
-        for sock in silent:
-            sock.close()
-        wait_until_live(served)
+            for at in (3.0, 10.0):  # new clients, while the flood holds every place
+                time.sleep(max(0.0, started + at - time.monotonic()))
+                probes.append((time.monotonic() - started, get(served.http, "/v2/health/live")[0]))
+            keeper.sendall(_LIVE)  # a connection that spoke is never closed for newcomers
+            assert parse_reply(keeper.recv(65536))[0] == 200
     finally:
         for sock in silent:
             sock.close()
         code = served.stop()
     assert code == 0, served.text()
-    warnings = [line for line in served.output if "connection limit reached" in line]
+    assert [status for _, status in probes] == [200, 200], probes
+    warnings = [line for line in served.output if "sent nothing closed" in line]
     assert len(warnings) == 1, warnings
+    assert not any("503" in line or "limit reached (" in line for line in served.output)
     assert not _log_problems(served), _log_problems(served)
     record(
         "Security",
-        f"{flood} silent HTTP connections to a server with {files} descriptors "
-        "(RLIMIT_NOFILE; the connection limit defaults to half of it)",
-        f"{flood} connections",
-        f"{len(statuses)} over the limit each a JSON 503 + close within {refused_in:.1f} s; "
-        f"gRPC ServerLive answered in {grpc_seconds * 1000:.0f} ms, an open keep-alive HTTP "
-        "connection and /metrics served; new HTTP connections served once the flood left; "
-        f"{len(warnings)} warning line, no EMFILE in the log",
+        f"{flood} HTTP connections that never send a byte, to a server with {files} "
+        f"descriptors (RLIMIT_NOFILE; the connection limit defaults to half of it)",
+        f"{flood} connections, 2 probes",
+        f"the {expected} oldest closed without a word within {made_room_in:.1f} s, each for a "
+        f"newer one; health probes from new clients at +{probes[0][0]:.0f} s and "
+        f"+{probes[1][0]:.0f} s answered 200; gRPC ServerLive in {grpc_seconds * 1000:.0f} ms, "
+        "the open keep-alive connection and /metrics served; 1 warning line, no EMFILE",
+    )
+
+
+def test_connections_that_all_spoke_past_the_limit_get_503() -> None:
+    """With --http-max-connections 8 held by keep-alive connections that have each sent a
+    request, a ninth gets a JSON 503 and a close (no connection that spoke is closed for it);
+    the eight are still served, and the ninth is once one of them leaves."""
+    served = start_server("--http-max-connections", "8")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(8):
+            sock = socket.create_connection(host_port(served.http), timeout=10)
+            sock.sendall(_LIVE)
+            assert parse_reply(sock.recv(65536))[0] == 200
+            held.append(sock)
+        with socket.create_connection(host_port(served.http), timeout=10) as late:
+            reply, closed = read_until_closed(late, 10)
+        status, headers, body = parse_reply(reply)
+        assert (status, closed) == (503, True), reply[:200]
+        assert headers.get("connection") == "close"
+        assert "--http-max-connections" in json.loads(body)["error"]
+        for sock in held:
+            sock.sendall(_LIVE)
+            assert parse_reply(sock.recv(65536))[0] == 200
+        held.pop().close()
+        wait_until_live(served)
+    finally:
+        for sock in held:
+            sock.close()
+        code = served.stop()
+    assert code == 0, served.text()
+    record(
+        "Security",
+        "Eight keep-alive HTTP connections that each sent a request hold --http-max-connections "
+        "8; a ninth connects",
+        "9 connections",
+        "the ninth a JSON 503 + close; the eight served on; a new one served once one left",
     )
 
 
@@ -248,6 +285,63 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
         f"each head a JSON 408 + close by {head_seconds:.2f} s, the body {body_seconds:.2f} s; "
         f"the silent connection closed without a word at {silent_seconds:.2f} s; health probes "
         f"meanwhile all 200, median {median * 1000:.1f} ms, worst {worst * 1000:.1f} ms",
+    )
+
+
+def test_bodies_trickled_below_the_minimum_rate_get_408(server: Served) -> None:
+    """Four POST bodies sent a byte every 0.25 s (never a second without progress, so the
+    1 s body timeout alone would never fire) are cut at their deadline, 1 s plus a second per
+    500 bytes received (--http-body-min-rate's default): a JSON 408 naming the flag and a
+    close each, one log line for the episode, health probes answered meanwhile."""
+    declared = 1000
+    trickling = connect_many(server.http, 4)
+    prober = _Prober(server.http)
+    before = sum("too slow" in line for line in server.output)
+    try:
+        began = time.monotonic()
+        for sock in trickling:
+            sock.sendall(
+                b"POST /v2/models/identity_plain/infer HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {declared}\r\n\r\n".encode()
+            )
+            sock.setblocking(False)
+        replies = dict.fromkeys(trickling, b"")
+        cut: dict[socket.socket, float] = {}
+        sent = 0
+        while len(cut) < len(trickling) and sent < 40:  # 10 s at most
+            for sock in trickling:
+                if sock not in cut:
+                    with contextlib.suppress(OSError):
+                        sock.send(b" ")
+            sent += 1
+            until = time.monotonic() + 0.25
+            read_replies(trickling, replies, cut, until=until, wanted=len(trickling), began=began)
+    finally:
+        prober.stop()
+        for sock in trickling:
+            sock.close()
+    assert len(cut) == len(trickling), f"{len(trickling) - len(cut)} trickles still open"
+    for sock in trickling:
+        status, headers, body = parse_reply(replies[sock])
+        assert status == 408, replies[sock][:200]
+        assert headers.get("connection") == "close"
+        assert "--http-body-min-rate" in json.loads(body)["error"]
+    seconds = max(cut.values())
+    assert seconds < 1 + 1.5, cut
+    assert set(prober.statuses) == {200}, set(prober.statuses)
+    # One line per episode: an earlier test's slow heads may have started this one.
+    deadline = time.monotonic() + 10
+    while not any("too slow" in line for line in server.output):
+        assert time.monotonic() < deadline, "no log line for the slow clients"
+        time.sleep(0.05)
+    assert sum("too slow" in line for line in server.output) <= before + 1
+    record(
+        "Security",
+        "Four POST bodies declaring 1,000 bytes, sent a byte every 0.25 s (so never 1 s "
+        "without progress: --http-body-timeout 1 alone would never fire)",
+        f"4 connections, {len(prober.statuses)} probes",
+        f"each a JSON 408 naming --http-body-min-rate + close by {seconds:.2f} s (1 s plus a "
+        "second per 500 bytes received); at most one log line for the episode; probes all 200",
     )
 
 
