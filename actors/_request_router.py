@@ -86,11 +86,24 @@ class RequestRouter:
             return False
         return True
 
-    def _admit(
+    async def _admitted(
         self, request: InferRequest, from_ensemble: bool = False
     ) -> tuple[Runner, InferRequest]:
-        """Resolve the model and check the request against its config."""
+        """`_admit`, in a worker thread when checking the inputs takes long (BYTES tensors of
+        many elements, each of which is looked at): on the event loop it would hold every
+        other request meanwhile."""
         runner = self.models.resolve(request.model_name, request.model_version)
+        if runner.checker.costly(request.inputs):
+            return await trio.to_thread.run_sync(self._admit, request, from_ensemble, runner)
+        return self._admit(request, from_ensemble, runner)
+
+    def _admit(
+        self, request: InferRequest, from_ensemble: bool = False, runner: Runner | None = None
+    ) -> tuple[Runner, InferRequest]:
+        """Resolve the model (unless ``runner`` is it) and check the request against its
+        config."""
+        if runner is None:
+            runner = self.models.resolve(request.model_name, request.model_version)
         inputs = runner.checker.inputs(request.inputs, adapt_batching=from_ensemble)
         wanted = request.requested_outputs
         if wanted is not None and not wanted <= runner.output_names:
@@ -172,7 +185,7 @@ class RequestRouter:
             InferenceError: the model or a step of the ensemble failed.
         """
         try:
-            runner, request = self._admit(request, from_ensemble)
+            runner, request = await self._admitted(request, from_ensemble)
             if self.models.decoupled(runner.config.name):
                 raise InvalidRequestError(
                     f"model '{runner.config.name}' is decoupled (it sends zero or many "
@@ -295,7 +308,7 @@ class RequestRouter:
             the errors of `infer`, after the responses sent before the failure.
         """
         try:
-            runner, request = self._admit(request)
+            runner, request = await self._admitted(request)
         except InvalidRequestError as exc:
             self._rejected(request, exc)
             raise
@@ -329,6 +342,8 @@ class RequestRouter:
         runner = versions.get(version) if version > 0 else versions[max(versions)]
         if runner is None or (self.cache is not None and caches(runner.config)):
             return False  # a cached model goes through the cache actor
+        if runner.checker.costly(request.inputs):
+            return False  # checked in a worker thread, by infer
         return runner.ready_now(request.inputs)
 
     def fusable(self, runner: object, max_batch_size: int) -> bool:

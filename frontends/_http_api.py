@@ -283,7 +283,7 @@ class HttpApi:
             await self.control.unload(match["model"], parameters)
         return 200, _JSON, [b"{}"]
 
-    def _decoded_body(self, request: HttpRequest) -> bytes:
+    def _decoded_body(self, request: HttpRequest) -> bytes | bytearray:
         encoding = request.headers.get(b"content-encoding", b"identity").lower()
         if encoding in (b"gzip", b"deflate"):
             return self._inflate(request.body, encoding)
@@ -291,7 +291,7 @@ class HttpApi:
             raise _HttpError(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r}")
         return request.body
 
-    def _inflate(self, body: bytes, encoding: bytes) -> bytes:
+    def _inflate(self, body: bytes | bytearray, encoding: bytes) -> bytes:
         wbits = 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS
         inflater = zlib.decompressobj(wbits)
         try:

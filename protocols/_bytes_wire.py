@@ -37,20 +37,28 @@ def element_bytes(item: object) -> bytes:
 
 
 def _elements(array: np.ndarray[Any, Any]) -> list[bytes]:
-    items = array.reshape(-1).tolist()
-    if all(type(item) is bytes for item in items):
-        return items
+    items = array.tolist()
+    if set(map(type, items)) <= _ONLY_BYTES:
+        return items  # type: ignore[no-any-return]
     return [element_bytes(item) for item in items]
 
 
+_ONLY_BYTES = {bytes}
+
+
 def encode_bytes(array: np.ndarray[Any, Any]) -> bytes:
-    """``array`` (BYTES: bytes or str elements) in Triton's wire format.
+    """``array`` (BYTES: bytes or str elements) in Triton's wire format, a block of
+    elements at a time (each call into C is short: other threads run between blocks).
 
     Raises:
         TypeError: an element is neither bytes nor str.
     """
-    items = _elements(array)
-    blocks = [_encode_block(items[at : at + _BLOCK]) for at in range(0, len(items), _BLOCK)]
+    flat = array.reshape(-1)
+    blocks = [
+        _encode_block(_elements(flat[at : at + _BLOCK])) for at in range(0, flat.size, _BLOCK)
+    ]
+    if not blocks:
+        return b""
     return blocks[0] if len(blocks) == 1 else b"".join(blocks)
 
 
@@ -96,11 +104,13 @@ def decode_bytes(buffer: bytes | memoryview, count: int, tensor: str) -> np.ndar
         return out
     (first,) = _PREFIX.unpack_from(view, 0)
     if size == count * (4 + first) and _uniform(view, count, first):
-        if first == 0:
-            out.fill(b"")
-        else:
-            record = np.dtype([("length", "<u4"), ("data", f"V{first}")])
-            out[:] = np.frombuffer(view, dtype=record)["data"].tolist()
+        record = np.dtype([("length", "<u4"), ("data", f"V{first}")])
+        records = np.frombuffer(view, dtype=record)["data"]
+        for at in range(0, count, _BLOCK):  # a block at a time: short calls into C
+            if first == 0:
+                out[at : at + _BLOCK].fill(b"")
+            else:
+                out[at : at + _BLOCK] = records[at : at + _BLOCK].tolist()
         return out
     offset = 0
     unpack = _PREFIX.unpack_from

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from . import _json_slices as json_slices
 from ._config import ModelConfig
 from ._dtypes import DataType
 from ._errors import InvalidRequestError, JsonFieldError
@@ -54,7 +55,7 @@ _JSON_NUMBERS = frozenset(
 
 
 def decode_http_request(
-    model_name: str, version: str, body: bytes | memoryview, header_length: int | None
+    model_name: str, version: str, body: bytes | bytearray | memoryview, header_length: int | None
 ) -> WireRequest:
     """An HTTP infer request: a JSON document, then binary tensors when ``header_length``
     (``Inference-Header-Content-Length``) is given.
@@ -62,7 +63,17 @@ def decode_http_request(
     Raises:
         InvalidRequestError: the body, a tensor or a parameter is malformed (its name said).
     """
-    view = memoryview(body)
+    length = len(body) if header_length is None else header_length
+    if length <= json_slices.WINDOW:
+        return _decoded_request(model_name, version, body, header_length)
+    with json_slices.collector_paused():  # millions of elements: see _json_slices
+        return _decoded_request(model_name, version, body, header_length)
+
+
+def _decoded_request(
+    model_name: str, version: str, body: bytes | bytearray | memoryview, header_length: int | None
+) -> WireRequest:
+    view = memoryview(body).toreadonly()  # tensors are read-only views of it
     if header_length is None:
         header_length = len(view)
     elif header_length > len(view):
@@ -71,7 +82,7 @@ def decode_http_request(
             f"({len(view)} bytes)"
         )
     try:
-        document = json.loads(bytes(view[:header_length]))
+        document = json_slices.loads(view[:header_length], runs=True)
     except RecursionError:
         raise InvalidRequestError(f"failed to parse the request JSON: {NESTING}") from None
     except ValueError as exc:
@@ -104,7 +115,9 @@ def decode_http_request(
     )
 
 
-def decode_raw_request(config: ModelConfig, version: str, body: bytes | memoryview) -> WireRequest:
+def decode_raw_request(
+    config: ModelConfig, version: str, body: bytes | bytearray | memoryview
+) -> WireRequest:
     """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is the
     one input's bytes, its shape deduced from the config (one variable dim at most; a BYTES
     input must be one element); every output comes back as binary data.
@@ -145,7 +158,7 @@ def decode_raw_request(config: ModelConfig, version: str, body: bytes | memoryvi
         if variable is not None:
             unit = count * spec.data_type.numpy_dtype.itemsize
             shape[variable] = len(body) // unit if unit else 0
-        tensor = tensor_from_bytes(body, spec.data_type, shape, spec.name)
+        tensor = tensor_from_bytes(memoryview(body).toreadonly(), spec.data_type, shape, spec.name)
     return WireRequest(
         model_name=config.name,
         inputs={spec.name: tensor},
@@ -286,59 +299,113 @@ def _requested_outputs(
 def _json_tensor(
     data: object, dtype: DataType, shape: list[Any], name: str
 ) -> np.ndarray[Any, Any]:
+    """A tensor from its JSON ``data`` (flat or nested row-major, as Triton accepts it),
+    made piece by piece: each call into C (a type scan, numpy's conversion of a piece) is
+    short, so a large tensor does not hold the GIL, and the other threads, while it is made.
+    A `json_slices.Runs` is used up (each run freed once converted)."""
     count = element_count(shape, name)
     if dtype in _JSON_NUMBERS:
         raise InvalidRequestError(
             f"input '{name}': {dtype.value} tensors can only be sent as binary data"
         )
-    flat = _flatten(data, name)
-    if len(flat) != count:
-        raise InvalidRequestError(
-            f"unexpected number of elements {len(flat)} for input '{name}' of shape {shape}, "
-            f"expecting {count}"
-        )
-    if dtype is DataType.BYTES:
-        array = np.empty(count, dtype=object)
-        for i, item in enumerate(flat):
-            if not isinstance(item, str):
-                raise InvalidRequestError(f"input '{name}': BYTES elements must be strings")
-            try:
-                array[i] = item.encode()
-            except UnicodeEncodeError:  # a lone surrogate, which JSON text can carry
-                raise InvalidRequestError(
-                    f"input '{name}': element {i} is not valid Unicode (a lone surrogate); "
-                    "send such bytes as binary data"
-                ) from None
-        return array.reshape(tuple(shape))
-    if dtype is DataType.BOOL:
-        if not all(isinstance(item, bool) for item in flat):
-            raise InvalidRequestError(f"input '{name}': BOOL elements must be true or false")
-    elif any(isinstance(item, bool) or not isinstance(item, int | float) for item in flat):
-        raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be numbers")
-    elif dtype.numpy_dtype.kind in "iu" and not all(isinstance(item, int) for item in flat):
-        raise InvalidRequestError(f"input '{name}': {dtype.value} elements must be integers")
-    return numeric_array(flat, dtype, shape, name)
-
-
-def _flatten(data: object, name: str) -> list[Any]:
-    """Triton accepts tensor data flat or nested row-major."""
     if not isinstance(data, list):
         raise InvalidRequestError(f"input '{name}': 'data' must be an array")
-    if not any(isinstance(item, list) for item in data):
-        return data
-    flat: list[Any] = []
-    stack: list[Any] = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                if len(stack) >= MAX_JSON_DEPTH:
-                    raise InvalidRequestError(f"input '{name}': {NESTING}")
-                stack.append(iter(item))
-                break
-            flat.append(item)
+    allowed = _JSON_TYPES.get(dtype.numpy_dtype.kind, _NUMBERS)
+    out = np.empty(count, dtype=dtype.numpy_dtype)
+    seen = 0
+    for piece in _pieces(data, name):
+        at, seen = seen, seen + len(piece)
+        if seen > count:
+            continue  # too many: counted to the end, for the message below
+        kinds = set(map(type, piece))
+        if not kinds <= allowed:
+            raise InvalidRequestError(_element_problem(name, dtype, kinds))
+        if dtype is DataType.BYTES:
+            out[at:seen] = _encoded(piece, name, at)
         else:
-            stack.pop()
-    return flat
+            out[at:seen] = numeric_array(piece, dtype, (len(piece),), name)
+    if seen != count:
+        raise InvalidRequestError(
+            f"unexpected number of elements {seen} for input '{name}' of shape {shape}, "
+            f"expecting {count}"
+        )
+    return out.reshape(tuple(shape))
+
+
+_SLICE = 1 << 16
+"""Elements of a JSON tensor converted in one call, at most."""
+_NUMBERS = frozenset({int, float})
+_JSON_TYPES = {
+    "b": frozenset({bool}),
+    "i": frozenset({int}),
+    "u": frozenset({int}),
+    "O": frozenset({str}),
+}
+"""The JSON value types a tensor's elements may have, by numpy kind (others: numbers)."""
+_ARRAYS = frozenset({list, json_slices.Runs})
+
+
+def _element_problem(name: str, dtype: DataType, kinds: set[type]) -> str:
+    """What is wrong with elements of these ``kinds`` in a ``dtype`` tensor."""
+    if dtype is DataType.BYTES:
+        return f"input '{name}': BYTES elements must be strings"
+    if dtype is DataType.BOOL:
+        return f"input '{name}': BOOL elements must be true or false"
+    if kinds - _NUMBERS:
+        return f"input '{name}': {dtype.value} elements must be numbers"
+    return f"input '{name}': {dtype.value} elements must be integers"
+
+
+def _encoded(piece: list[str], name: str, at: int) -> list[bytes]:
+    """BYTES elements given as JSON strings, UTF-8 encoded."""
+    try:
+        return [item.encode() for item in piece]
+    except UnicodeEncodeError:  # a lone surrogate, which JSON text can carry
+        index = at + next(i for i, item in enumerate(piece) if not _encodable(item))
+        raise InvalidRequestError(
+            f"input '{name}': element {index} is not valid Unicode (a lone surrogate); "
+            "send such bytes as binary data"
+        ) from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _pieces(items: list[Any], name: str, depth: int = 1) -> Iterator[list[Any]]:
+    """The scalars of (nested) JSON data in row-major order, in lists of at most about
+    `_SLICE` (a `json_slices.Runs` run by run, each dropped once given)."""
+    if isinstance(items, json_slices.Runs):
+        items.reverse()
+        while items:
+            yield from _pieces(items.pop(), name, depth)
+        return
+    if not set(map(type, items)) & _ARRAYS:
+        yield items
+        return
+    if depth >= MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"input '{name}': {NESTING}")
+    piece: list[Any] = []
+    for item in items:
+        if type(item) is list and not set(map(type, item)) & _ARRAYS:
+            piece += item  # a row of scalars
+        elif isinstance(item, list):  # nested deeper (or a large row, in runs)
+            if piece:
+                yield piece
+                piece = []
+            yield from _pieces(item, name, depth + 1)
+            continue
+        else:
+            piece.append(item)
+        if len(piece) >= _SLICE:
+            yield piece
+            piece = []
+    if piece:
+        yield piece
 
 
 def encode_http_response(
@@ -353,7 +420,7 @@ def encode_http_response(
     """
     outputs: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
-    large: list[bytes] = []
+    large: list[list[bytes]] = []
     nonce = secrets.token_hex(16) + ":"
     for name, array in response.outputs.items():
         dtype = DataType.from_numpy(array.dtype)
@@ -369,10 +436,11 @@ def encode_http_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         elif array.size > _JSON_BLOCK:
-            # Written apart, block by block, and spliced in below: one json.dumps of millions
-            # of numbers would hold the GIL (so the event loop) for a second or more.
+            # Written apart, block by block, and sent as the blocks between the pieces of the
+            # header: one json.dumps of millions of numbers (or one join of their text) would
+            # hold the GIL, so the event loop, for a second or more.
             entry["data"] = f"{nonce}{len(large)}"  # unguessable: no client string can match
-            large.append(_json_data_text(array, dtype, name))
+            large.append(_json_data_blocks(array, dtype, name))
         else:
             entry["data"] = _json_data(array, dtype, name)
         outputs.append(entry)
@@ -385,27 +453,33 @@ def encode_http_response(
     if response.parameters:
         document["parameters"] = dict(response.parameters)  # the sequence ones among them
     document["outputs"] = outputs
-    header = json.dumps(document, separators=(",", ":")).encode()
-    for index, text in enumerate(large):
-        header = header.replace(f'"{nonce}{index}"'.encode(), text, 1)
-    return [header, *chunks], (len(header) if chunks else None)
+    rest = json.dumps(document, separators=(",", ":")).encode()
+    head: list[bytes | memoryview] = []
+    for index, blocks in enumerate(large):
+        before, rest = rest.split(f'"{nonce}{index}"'.encode(), 1)
+        head += (before, *blocks)
+    head.append(rest)
+    json_length = sum(len(piece) for piece in head) if chunks else None
+    return [*head, *chunks], json_length
 
 
 _JSON_BLOCK = 1 << 16
 """Elements of an output written as JSON in one call (a few milliseconds holding the GIL)."""
 
 
-def _json_data_text(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> bytes:
-    """A large output's JSON ``data`` array as text, written one block of elements at a
-    time (between blocks, other threads get the GIL)."""
+def _json_data_blocks(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[bytes]:
+    """A large output's JSON ``data`` array as pieces of text (``[``, blocks of elements with
+    the commas between them, ``]``), each written in one short call."""
     flat = array.reshape(-1)
-    parts = [
-        json.dumps(_json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":"))[
-            1:-1
-        ]
-        for at in range(0, flat.size, _JSON_BLOCK)
-    ]
-    return ("[" + ",".join(p for p in parts if p) + "]").encode()
+    pieces = [b"["]
+    for at in range(0, flat.size, _JSON_BLOCK):
+        text = json.dumps(
+            _json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":")
+        )
+        if len(text) > 2:
+            pieces.append(text[1:-1].encode() if len(pieces) == 1 else ("," + text[1:-1]).encode())
+    pieces.append(b"]")
+    return pieces
 
 
 def _json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[Any]:

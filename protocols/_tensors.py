@@ -71,11 +71,13 @@ def as_bytes_array(value: Any) -> np.ndarray[Any, Any]:
         TypeError: an element is neither bytes nor str.
     """
     array = np.asarray(value, dtype=object)
-    items = array.reshape(-1).tolist()  # one C call; checking a list is faster than .flat
-    if not all(type(item) is bytes for item in items):
-        items = [element_bytes(item) for item in items]
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
+    flat = array.reshape(-1)
+    out = np.empty(flat.size, dtype=object)
+    for at in range(0, flat.size, _SLICE):  # in slices: each call into C is short
+        items = flat[at : at + _SLICE].tolist()
+        if set(map(type, items)) != _ONLY_BYTES:
+            items = [element_bytes(item) for item in items]
+        out[at : at + len(items)] = items
     return out.reshape(array.shape)
 
 
@@ -157,9 +159,20 @@ def check_inputs(
     return out
 
 
+COSTLY_ELEMENTS = 1 << 16
+"""BYTES elements beyond which checking a request's inputs is work for a worker thread."""
+_SLICE = 1 << 16
+"""Elements looked at per call into C (a short hold of the GIL each)."""
+_ONLY_BYTES = {bytes}
+
+
 def _all_bytes(array: np.ndarray[Any, Any]) -> bool:
     # Exactly bytes: np.bytes_ is a subclass and must be converted like the other kinds.
-    return all(type(x) is bytes for x in array.reshape(-1).tolist())
+    flat = array.reshape(-1)
+    return all(
+        set(map(type, flat[at : at + _SLICE].tolist())) == _ONLY_BYTES
+        for at in range(0, flat.size, _SLICE)
+    )
 
 
 def _type_name(array: np.ndarray[Any, Any]) -> str:
@@ -328,11 +341,28 @@ class TensorChecker:
         self._inputs_simple = all(
             t.data_type is not DataType.BYTES and t.reshape is None for t in config.input
         )
+        self._bytes_inputs = tuple(t.name for t in config.input if t.data_type is DataType.BYTES)
         self._outputs = {
             t.name: (t.data_type.numpy_dtype, _Pattern(expected_shape(t, mbs), mbs))
             for t in config.output
             if t.data_type is not DataType.BYTES and t.reshape is None
         }
+
+    def costly(self, inputs: Mapping[str, Any]) -> bool:
+        """Whether checking ``inputs`` looks at many elements one by one (BYTES tensors of
+        more than `COSTLY_ELEMENTS` elements in all, or BYTES given as lists): long enough
+        to be done off the event loop."""
+        if self._inputs_simple:
+            return False
+        elements = 0
+        for name in self._bytes_inputs:
+            value = inputs.get(name)
+            if value is None:
+                continue
+            if type(value) is not np.ndarray:
+                return True  # a list or other sequence: converted element by element
+            elements += value.size
+        return elements > COSTLY_ELEMENTS
 
     def inputs(self, inputs: Mapping[str, Any], *, adapt_batching: bool = False) -> Tensors:
         """Like `check_inputs`; returns ``inputs`` itself when it needed no conversion.

@@ -93,7 +93,7 @@ async def test_a_config_without_platform_or_backend_gets_the_one_its_files_say(
     onnx = tmp_path / "adder"
     (onnx / "1").mkdir(parents=True)
     (onnx / "1" / "model.onnx").write_bytes(add())
-    (onnx / "config.pbtxt").write_text('max_batch_size: 8\n')  # the rest from the graph
+    (onnx / "config.pbtxt").write_text("max_batch_size: 8\n")  # the rest from the graph
     async with orchestrion.open_server(tmp_path) as server:
         assert server.model_config("ens").platform == "ensemble"
         assert server.model_config("adder").platform == "onnxruntime_onnx"
