@@ -21,7 +21,16 @@ from typing import Any
 import attrs
 
 from ..backends import model_problems
-from ..protocols import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
+from ..protocols import (
+    INITIAL_STATE_FOLDER,
+    ONNX_BACKEND,
+    ONNX_PLATFORM,
+    ModelConfig,
+    SequenceTensors,
+    initial_state_problem,
+    sequence_problems,
+    sequence_tensor_names,
+)
 from ._instances import ExecutionMode
 
 
@@ -79,6 +88,9 @@ class Model:
         labels: class labels per output, for the classification extension (a client asking
             an output for its top classes gets ``"score:index:label"``); a repository's model
             reads them from each output's ``label_filename``, one label per line.
+        initial_states: the bytes of each implicit state's ``initial_state`` ``data_file``
+            (by the state's ``input_name``), in row-major order; a repository's model reads
+            them from its ``initial_state/`` folder.
     """
 
     config: ModelConfig
@@ -94,6 +106,7 @@ class Model:
     """Where the config came from (its ``config.pbtxt``), for error messages."""
     revision: str = attrs.field(factory=lambda: secrets.token_hex(16))
     labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
+    initial_states: Mapping[str, bytes] = attrs.field(factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -134,11 +147,17 @@ def check_model(model: Model) -> list[str]:
     if model.triton_model is not None:
         if model.execute is not None or model.initialize is not None:
             return [f"{where}: a Triton python model (triton_model) has no execute or initialize"]
-        return model_problems(model, where, in_config)
+        return model_problems(model, where, in_config) + _initial_state_problems(model, in_config)
     if model.onnx is not None or config.is_onnx:
-        return _onnx_problems(model, where, in_config)
+        return _onnx_problems(model, where, in_config) + _initial_state_problems(model, in_config)
     if model.execute is None or not callable(model.execute):
         return [f"{where}: defines no execute function"]
+    if sequence_tensor_names(config):
+        return [
+            f"{in_config}: sequence_batching control_input and state are for Triton's "
+            "backends (ONNX and python models): a model.py with execute receives its "
+            "sequence's state through execute (a state parameter, (outputs, new_state) back)"
+        ]
     errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)
     errors += _kind_problems(model, where, in_config)
     return errors + _parameter_problems(model, where)
@@ -189,6 +208,29 @@ def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
             f"{where}: initial_state is for stateful models; the config has no sequence_batching"
         )
     return errors
+
+
+def _initial_state_problems(model: Model, in_config: str) -> list[str]:
+    """Each state's ``initial_state`` ``data_file``: given, and of the right size."""
+    config = model.config
+    if config.sequence_batching is None or sequence_problems(config):
+        return []  # the config's own problems are reported with the config
+    problems = []
+    for state in SequenceTensors.of(config).states:
+        if not state.data_file:
+            continue
+        data = model.initial_states.get(state.input_name)
+        if data is None:
+            problems.append(
+                f"{in_config}: state '{state.input_name}': its initial_state data_file "
+                f"'{state.data_file}' was not given (a repository's model reads it from "
+                f"{INITIAL_STATE_FOLDER}/{state.data_file} in its folder)"
+            )
+            continue
+        problem = initial_state_problem(state, data, in_config)
+        if problem is not None:
+            problems.append(problem)
+    return problems
 
 
 def _parameter_problems(model: Model, where: str) -> list[str]:

@@ -26,13 +26,16 @@ import xxhash
 from ..backends import auto_complete, complete_onnx_config, import_code_file
 from ..protocols import (
     ENSEMBLE_PLATFORM,
+    INITIAL_STATE_FOLDER,
     ONNX_PLATFORM,
     ConfigError,
     ModelConfig,
     ModelLoadError,
+    SequenceTensors,
     VersionPolicy,
     format_model_config,
     parse_model_config,
+    sequence_problems,
 )
 from ._definition import Model, check_model
 
@@ -323,6 +326,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         config_source = f"{entry.path} (no {CONFIG_FILE})"
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
+    initial_states = read_initial_states(entry)
     if config.is_ensemble:
         return Model(
             config=config,
@@ -333,7 +337,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         )
     path = entry.model_file(version)
     if config.is_onnx:
-        return _onnx_model(entry, version, config_source, fingerprint, labels)
+        return _onnx_model(entry, version, config_source, fingerprint, labels, initial_states)
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):
@@ -349,6 +353,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
                 config_source=config_source,
                 revision=fingerprint,
                 labels=labels,
+                initial_states=initial_states,
             )
         )
     if not entry.config_source and not (entry.path / entry.config_file).is_file():
@@ -378,6 +383,7 @@ def _onnx_model(
     config_source: str,
     fingerprint: str,
     labels: dict[str, tuple[str, ...]],
+    initial_states: dict[str, bytes],
 ) -> Model:
     """An ONNX model of the repository, its config completed from its graph.
 
@@ -397,6 +403,7 @@ def _onnx_model(
             config_source=config_source,
             revision=fingerprint,
             labels=labels,
+            initial_states=initial_states,
         )
     )
 
@@ -425,25 +432,11 @@ def read_labels(entry: RepositoryEntry) -> dict[str, tuple[str, ...]]:
         ConfigError: the file is missing, outside the model folder, too large, or not UTF-8.
     """
     labels: dict[str, tuple[str, ...]] = {}
-    folder = entry.path.resolve()
     for output in entry.config.output:
         if not output.label_filename:
             continue
         where = f"{entry.path / CONFIG_FILE}: output '{output.name}': label_filename"
-        path = (folder / output.label_filename).resolve()
-        if not path.is_relative_to(folder):
-            raise ConfigError(
-                f"{where} '{output.label_filename}' is outside the model's folder {folder}"
-            )
-        try:
-            with path.open("rb") as handle:
-                data = handle.read(MAX_LABELS_FILE + 1)
-        except OSError as exc:
-            raise ConfigError(f"{where} '{output.label_filename}' cannot be read: {exc}") from exc
-        if len(data) > MAX_LABELS_FILE:
-            raise ConfigError(
-                f"{where} '{output.label_filename}' is larger than {MAX_LABELS_FILE} bytes"
-            )
+        data = _read_in_folder(entry.path, output.label_filename, where, MAX_LABELS_FILE)
         try:
             text = data.decode()
         except UnicodeDecodeError:
@@ -453,3 +446,51 @@ def read_labels(entry: RepositoryEntry) -> dict[str, tuple[str, ...]]:
             lines.pop()
         labels[output.name] = tuple(line.removesuffix("\r") for line in lines)
     return labels
+
+
+MAX_INITIAL_STATE_FILE = 256 * 1024 * 1024
+"""The largest ``initial_state`` ``data_file`` read (bytes)."""
+
+
+def read_initial_states(entry: RepositoryEntry) -> dict[str, bytes]:
+    """The bytes of each implicit state's ``initial_state`` ``data_file`` (by the state's
+    ``input_name``), from the model folder's ``initial_state/`` (as in Triton).
+
+    Raises:
+        ConfigError: a file is missing, outside that folder, or too large.
+    """
+    config = entry.config
+    if config.sequence_batching is None or sequence_problems(config):
+        return {}  # the config's problems are reported with it
+    folder = entry.path / INITIAL_STATE_FOLDER
+    found = {}
+    for state in SequenceTensors.of(config).states:
+        if state.data_file:
+            where = (
+                f"{entry.path / entry.config_file}: sequence_batching state "
+                f"'{state.input_name}': initial_state data_file"
+            )
+            found[state.input_name] = _read_in_folder(
+                folder, state.data_file, where, MAX_INITIAL_STATE_FILE
+            )
+    return found
+
+
+def _read_in_folder(folder: Path, name: str, where: str, limit: int) -> bytes:
+    """The bytes of the file ``name`` inside ``folder``.
+
+    Raises:
+        ConfigError: it is missing, outside the folder, or larger than ``limit`` bytes.
+    """
+    root = folder.resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(f"{where} '{name}' is outside the folder {root}")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{where} '{name}' cannot be read: {exc}") from exc
+    if len(data) > limit:
+        raise ConfigError(f"{where} '{name}' is larger than {limit} bytes")
+    return data

@@ -36,12 +36,14 @@ from ..protocols import (
     ServerClosedError,
     TensorChecker,
     Tensors,
+    model_facing,
 )
 from ..telemetry import RequestTracing
 from ._batch_queue import BatchQueue, rows_of, split_outputs
 from ._batcher import Batcher
 from ._definition import Model
 from ._instances import Instance, Instances, Timings, Work
+from ._sequence_batcher import SequenceBatcher
 from ._sequences import Sequences
 from ._stats import StatsRecorder
 from ._streams import Streams
@@ -72,7 +74,10 @@ class ModelRunner:
     batcher: Batcher | None = attrs.field(init=False, default=None)
     """The dynamic batcher of a model that batches (None: one request per execution)."""
     sequences: Sequences | None = attrs.field(init=False, default=None)
-    """A stateful model's sequences (None: not stateful)."""
+    """A stateful model's sequences, its state passed through ``execute`` (None: not
+    stateful, or stateful as Triton's backends are: `sequence_batcher`)."""
+    sequence_batcher: SequenceBatcher | None = attrs.field(init=False, default=None)
+    """The sequence batcher of a model whose controls and state are tensors (Triton's)."""
     streams: Streams = attrs.field(init=False)
     _send: trio.MemorySendChannel[Work] = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel[Work] = attrs.field(init=False)
@@ -85,11 +90,16 @@ class ModelRunner:
         self.stats = StatsRecorder(self.model.name, self.model.version)
         self.backend = backend_for(self.model, self.calls)
         self.checker = TensorChecker(config)
-        self.pool = Instances(self.backend, self.model.name, self.model.version, self.checker)
+        # Outputs are checked as the model gives them: its state outputs among them.
+        facing = model_facing(config)
+        outputs = self.checker if facing is config else TensorChecker(facing)
+        self.pool = Instances(self.backend, self.model.name, self.model.version, outputs)
         self.output_names = frozenset(t.name for t in config.output)
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self.streams = Streams(self)
-        if self.capabilities.stateful:
+        if self.capabilities.sequence_tensors:
+            self.sequence_batcher = SequenceBatcher.of(self, dict(self.model.initial_states))
+        elif self.capabilities.stateful:
             self.sequences = Sequences.of(config, self.backend.initial_state, self._submit)
         if self.capabilities.batching and config.dynamic_batching:
             self.batcher = Batcher(self, BatchQueue(config), self.backend.padded_sizes)
@@ -160,7 +170,10 @@ class ModelRunner:
     async def _serve_instances(self, task_status: trio.TaskStatus[None]) -> None:
         """Run the instances (or the batcher) and the sequences' sweeper until closed."""
         async with trio.open_nursery() as nursery:
-            if self.batcher is not None:
+            if self.sequence_batcher is not None:
+                self._receive.close()  # its requests go to slots, not through the channel
+                await nursery.start(self.sequence_batcher.serve, self.instances)
+            elif self.batcher is not None:
                 await nursery.start(self.batcher.serve, self._receive, self.instances)
             else:
                 async with self._receive:
@@ -185,6 +198,8 @@ class ModelRunner:
         """
         self.closing = True
         self._send.close()  # open streams end with ServerClosedError at their next step
+        if self.sequence_batcher is not None:
+            self.sequence_batcher.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
 
@@ -419,7 +434,9 @@ class ModelRunner:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
-        if self.sequences is not None:
+        if self.sequence_batcher is not None:
+            work = await self.sequence_batcher.run(request)
+        elif self.sequences is not None:
             work = await self.sequences.run(request)
         else:
             work = Work(request=request, enqueued_ns=time.perf_counter_ns())
@@ -479,7 +496,8 @@ class ModelRunner:
     def response_parameters(self, request: InferRequest) -> dict[str, ParameterValue]:
         """The parameters of a response to ``request``: a stateful model says which sequence
         it answered; others none (a cache hit gets them here, never from the entry)."""
-        return request.sequence_parameters() if self.sequences is not None else {}
+        stateful = self.sequences is not None or self.sequence_batcher is not None
+        return request.sequence_parameters() if stateful else {}
 
 
 def batch_size(max_batch_size: int, inputs: Tensors) -> int:

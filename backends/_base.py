@@ -57,6 +57,10 @@ class Capabilities:
     """Decoupled, and its code pushes responses (Triton's response senders) instead of
     yielding them one step at a time: the stream holds no compute slot while it waits, and
     the backend runs each request's execution on an instance itself."""
+    sequence_tensors: bool = False
+    """Stateful as Triton's backends are: the sequence batcher fills each request's control
+    inputs and implicit state as tensors (``orchestrion.actors._sequence_batcher``) and
+    batches requests of several sequences; no state object passes through ``execute``."""
     may_run_inline: bool = True
     """Without an ``execution`` parameter, executions may be measured and run inline when
     short; False: they run in worker threads (code that may wait on the server, such as a

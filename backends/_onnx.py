@@ -45,6 +45,7 @@ from ..protocols import (
     ModelLoadError,
     Tensors,
     apply_reshape,
+    model_facing,
 )
 from ._base import Backend, Capabilities, LoadedInstance
 from ._function import on_host
@@ -138,7 +139,7 @@ def complete_onnx_config(
         completed = attrs.evolve(config, platform=ONNX_PLATFORM, backend=ONNX_BACKEND)
     where = f"{config_source} (model '{config.name}')"
     problems = graph_problems(graph, f"{model_file} (model '{config.name}')")
-    problems += config_problems(completed, graph, config_source, str(model_file))
+    problems += config_problems(model_facing(completed), graph, config_source, str(model_file))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
     _log.debug("%s: completed from %s: %s", where, model_file, completed)
@@ -248,13 +249,17 @@ class OnnxBackend(Backend):
     def __init__(self, model: Model) -> None:
         assert model.onnx is not None
         self.model = model
-        self.config = config = model.config
+        # What the graph sees: a sequence batcher's control and state tensors too.
+        self.config = config = model_facing(model.config)
         self._graph: Path | bytes = model.onnx
+        stateful = config.sequence_batching is not None
+        batched = config.dynamic_batching is not None or stateful
         self.capabilities = Capabilities(
             is_async=False,
             streaming=False,
-            stateful=False,
-            batching=config.dynamic_batching is not None and config.max_batch_size > 0,
+            stateful=stateful,
+            sequence_tensors=stateful,
+            batching=batched and config.max_batch_size > 0,
             thread_safe=True,
             compiles=False,
             takes_request=False,
@@ -334,10 +339,13 @@ class OnnxBackend(Backend):
             if -1 in tensor.dims:
                 return  # shapes known only when requests arrive
             shape = lead + tensor.dims
-            if tensor.data_type is DataType.BYTES:
-                inputs[tensor.name] = np.full(shape, b"", dtype=object)
+            if tensor.data_type is DataType.BYTES:  # "0": a number too, for graphs that cast
+                inputs[tensor.name] = np.full(shape, b"0", dtype=object)
             else:
                 inputs[tensor.name] = np.zeros(shape, dtype=tensor.data_type.numpy_dtype)
+        assert self._ort is not None
+        serving, self._run_options = self._run_options, self._ort.RunOptions()
+        self._run_options.log_severity_level = 4  # a failure on zeros is said once, below
         try:
             arguments = self.arguments(
                 InferRequest(model_name=config.name, inputs=inputs), None, instance
@@ -356,6 +364,8 @@ class OnnxBackend(Backend):
                 exc,
             )
             return
+        finally:
+            self._run_options = serving
         instance.typical_ns = sorted(timings)[len(timings) // 2]
 
     def signature(self, inputs: Tensors) -> Hashable | None:
@@ -427,11 +437,6 @@ def onnx_problems(model: Model, where: str, in_config: str) -> list[str]:
     problems = []
     if config.decoupled:
         problems.append(f"{in_config}: an ONNX model cannot be decoupled")
-    if config.sequence_batching is not None:
-        problems.append(
-            f"{in_config}: sequence_batching of ONNX models (control inputs, implicit state) "
-            "is not supported yet"
-        )
     if config.max_batch_size > 0:
         optional = [t.name for t in config.input if t.optional]
         if optional:

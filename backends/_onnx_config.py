@@ -30,6 +30,7 @@ from ..protocols import (
     ModelConfig,
     Reshape,
     TensorConfig,
+    sequence_tensor_names,
 )
 
 _log = logging.getLogger("orchestrion")
@@ -162,12 +163,16 @@ def complete_config(config: ModelConfig, graph: Graph, source: str) -> ModelConf
             f"{where}: max_batch_size is {max_batch_size}, but the graph cannot batch: not "
             f"every input and output has a variable first dimension ({shapes})"
         )
+    # A sequence batcher's control and state tensors are the runtime's, not the client's.
+    batcher = sequence_tensor_names(config)
+    inputs = [t for t in graph.inputs if t.name not in batcher]
+    outputs = [t for t in graph.outputs if t.name not in batcher]
     return attrs.evolve(
         config,
         max_batch_size=max_batch_size,
         dynamic_batching=dynamic_batching,
-        input=config.input or _tensor_configs(graph.inputs, max_batch_size),
-        output=config.output or _tensor_configs(graph.outputs, max_batch_size),
+        input=config.input or _tensor_configs(inputs, max_batch_size),
+        output=config.output or _tensor_configs(outputs, max_batch_size),
     )
 
 

@@ -42,6 +42,7 @@ from ..protocols import (
     ServerClosedError,
     Tensors,
     apply_reshape,
+    model_facing,
     ungrouped,
 )
 from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
@@ -57,12 +58,6 @@ if TYPE_CHECKING:
     from ..actors._definition import Model
 
 _log = logging.getLogger("orchestrion")
-
-_CONTROL_KINDS: dict[str, Callable[[InferRequest], bool]] = {
-    "CONTROL_SEQUENCE_START": lambda r: r.sequence_start,
-    "CONTROL_SEQUENCE_END": lambda r: r.sequence_end,
-    "CONTROL_SEQUENCE_READY": lambda r: True,
-}
 
 
 @attrs.define(eq=False)
@@ -86,13 +81,17 @@ class TritonPythonBackend(Backend):
         self._calls = calls
         self._async = inspect.iscoroutinefunction(getattr(self._class, "execute", None))
         decoupled = config.decoupled
+        stateful = config.sequence_batching is not None
         batching = (
-            config.dynamic_batching is not None and config.max_batch_size > 0 and not decoupled
+            (config.dynamic_batching is not None or stateful)
+            and config.max_batch_size > 0
+            and not decoupled
         )
         self.capabilities = Capabilities(
             is_async=self._async,
             streaming=decoupled,
-            stateful=config.sequence_batching is not None,
+            stateful=stateful,
+            sequence_tensors=stateful,
             batching=batching,
             thread_safe=True,
             compiles=False,
@@ -103,8 +102,11 @@ class TritonPythonBackend(Backend):
             may_run_inline=not decoupled and not waits_on_server(model),
         )
         self.variable_shapes = True
-        self.declared = {t.name: t.data_type.numpy_dtype for t in config.output}
-        """Each output's numpy dtype, as the config declares it."""
+        self._facing = facing = model_facing(config)
+        """What the model's code sees: also its sequence batcher's control and state
+        tensors (``initialize`` still gets the config as written)."""
+        self.declared = {t.name: t.data_type.numpy_dtype for t in facing.output}
+        """Each output's numpy dtype, as the config declares it (and each state output's)."""
         self.metrics = MetricStore()
         self._scope = ModelScope(model.name, model.version, self.metrics)
         self._nursery: trio.Nursery | None = None
@@ -294,7 +296,7 @@ class TritonPythonBackend(Backend):
 
     def _received(self, request: InferRequest, sender: InferenceResponseSender) -> InferenceRequest:
         """``request`` as the model's code receives it."""
-        config = self.config
+        config = self._facing
         inputs: dict[str, Any] = {}
         for tensor in config.input:
             value = request.inputs.get(tensor.name)
@@ -304,42 +306,9 @@ class TritonPythonBackend(Backend):
                 view = apply_reshape(tensor, value, config.max_batch_size).view()
                 view.flags.writeable = False
                 inputs[tensor.name] = view
-        inputs.update(self._control_inputs(request))
         wanted = request.requested_outputs
         outputs = [t.name for t in config.output if wanted is None or t.name in wanted]
         return InferenceRequest.received(request, inputs, outputs, sender, cancelled_here)
-
-    def _control_inputs(self, request: InferRequest) -> dict[str, Any]:
-        """Sequence batching's control tensors (START, END, READY, CORRID), as Triton
-        passes them to the model."""
-        batching = self.config.sequence_batching
-        if batching is None:
-            return {}
-        lead = (1, 1) if self.config.max_batch_size > 0 else (1,)
-        controls: dict[str, Any] = {}
-        for entry in batching.control_input:
-            for control in entry.get("control", ()):
-                # Proto3 leaves the enum's first value out: no kind is SEQUENCE_START.
-                kind = control.get("kind", "CONTROL_SEQUENCE_START")
-                if kind == "CONTROL_SEQUENCE_CORRID":
-                    dtype = {"TYPE_STRING": object, "TYPE_UINT64": np.uint64}.get(
-                        control.get("data_type", ""), np.int64
-                    )
-                    value: Any = request.sequence_id
-                    if dtype is object:
-                        value = str(value).encode()
-                    controls[entry["name"]] = np.full(lead, value, dtype=dtype)
-                elif kind in _CONTROL_KINDS:
-                    on = _CONTROL_KINDS[kind](request)
-                    for key, dtype in (
-                        ("int32_false_true", np.int32),
-                        ("fp32_false_true", np.float32),
-                        ("bool_false_true", np.bool_),
-                    ):
-                        if key in control:
-                            pair = control[key]
-                            controls[entry["name"]] = np.full(lead, pair[1 if on else 0], dtype)
-        return controls
 
     def _execution(self, nursery: trio.Nursery, parent: InferRequest) -> Execution:
         return Execution(

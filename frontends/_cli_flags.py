@@ -189,33 +189,7 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         help="HTTP connections served at once; more get 503 (default: half the open-file "
         f"limit, at most {MAX_DEFAULT_CONNECTIONS})",
     )
-    header_timeout = _default("http_header_timeout")
-    network.add_argument(
-        "--http-header-timeout",
-        type=float,
-        default=header_timeout,
-        metavar="SECONDS",
-        help=f"time a request head may take to arrive (408 beyond; default: {header_timeout:g})",
-    )
-    body_timeout = _default("http_body_timeout")
-    network.add_argument(
-        "--http-body-timeout",
-        type=float,
-        default=body_timeout,
-        metavar="SECONDS",
-        help=f"time a request body may go without progress, and the start of its whole "
-        f"deadline (408 beyond; default: {body_timeout:g})",
-    )
-    min_rate = _default("http_body_min_rate")
-    network.add_argument(
-        "--http-body-min-rate",
-        type=float,
-        default=min_rate,
-        metavar="BYTES_PER_S",
-        help="rate a request body must average: each byte received extends its deadline by "
-        f"1/rate seconds past --http-body-timeout (408 beyond; 0: no deadline; default: "
-        f"{min_rate:g}, Apache's MinRate)",
-    )
+    _add_timeout_flags(network)
     max_message = _default("grpc_max_message_size")
     network.add_argument(
         "--grpc-max-message-size",
@@ -259,6 +233,37 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         default=max_regions,
         metavar="N",
         help=f"shared memory regions registered at once, at most (default: {max_regions})",
+    )
+
+
+def _add_timeout_flags(network: argparse._ArgumentGroup) -> None:
+    """How long and how slowly an HTTP request may arrive."""
+    header_timeout = _default("http_header_timeout")
+    network.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=header_timeout,
+        metavar="SECONDS",
+        help=f"time a request head may take to arrive (408 beyond; default: {header_timeout:g})",
+    )
+    body_timeout = _default("http_body_timeout")
+    network.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=body_timeout,
+        metavar="SECONDS",
+        help=f"time a request body may go without progress, and the start of its whole "
+        f"deadline (408 beyond; default: {body_timeout:g})",
+    )
+    min_rate = _default("http_body_min_rate")
+    network.add_argument(
+        "--http-body-min-rate",
+        type=float,
+        default=min_rate,
+        metavar="BYTES_PER_S",
+        help="rate a request body must average: each byte received extends its deadline by "
+        f"1/rate seconds past --http-body-timeout (408 beyond; 0: no deadline; default: "
+        f"{min_rate:g}, Apache's MinRate)",
     )
 
 
@@ -347,6 +352,7 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         model_control_mode=ModelControlMode(args.model_control_mode),
         load_models=tuple(args.load_model),
         exit_on_error=triton.exit_on_error,
+        server_id=triton.server_id,
         auto_complete_config=triton.auto_complete_config,
         model_config_name=triton.model_config_name,
         grpc_channel_args=triton.grpc_channel_args,

@@ -3,9 +3,10 @@
 How this works: `add_triton_flags` declares, in one argument group, the flags of Triton's
 ``tritonserver`` (its ``command_line_parser.cc``, 2.51) that ``serve`` does not declare with
 its endpoints, limits and models. Those that apply are honoured: the log flags
-(`LogSettings`), ``--exit-on-error``, ``--disable-auto-complete-config`` and the deprecated
-``--strict-model-config``, ``--model-config-name``, ``--model-store`` (``--model-repository``
-by another name), and the gRPC keepalive and connection-age flags and ``--reuse-grpc-port``
+(`LogSettings`), ``--id`` (the server's name in its metadata), ``--exit-on-error``,
+``--disable-auto-complete-config`` and the deprecated ``--strict-model-config``,
+``--model-config-name``, ``--model-store`` (``--model-repository`` by another name), and the
+gRPC keepalive and connection-age flags and ``--reuse-grpc-port``
 (the grpcio server options Triton sets from them, `GRPC_CHANNEL_ARGS`). Those that cannot
 apply here (backends, GPUs, thread pools, Triton's own trace files...) are accepted with
 Triton's value types and ignored; `triton_settings` prints one warning naming those given.
@@ -82,7 +83,6 @@ IGNORED: dict[str, str] = {
     "--model-load-gpu-limit": "str",
     "--rate-limit": "str",
     "--rate-limit-resource": "str",
-    "--id": "str",
     # Front-end tuning of Triton's HTTP and gRPC servers.
     "--reuse-http-port": "bool",
     "--http-thread-count": "int",
@@ -187,6 +187,14 @@ def add_triton_flags(serve: argparse.ArgumentParser) -> None:
         "(readiness as --strict-readiness says)",
     )
     group.add_argument(
+        "--id",
+        dest="server_id",
+        default=_DEFAULTS["server_id"].default,
+        metavar="NAME",
+        help="the server's name in its metadata (GET /v2, ServerMetadata; default: "
+        "orchestrion): Triton's clients that check it for 'triton' need --id triton",
+    )
+    group.add_argument(
         "--disable-auto-complete-config",
         action="store_true",
         help="no config completion: every model folder needs a complete config.pbtxt, and "
@@ -280,6 +288,7 @@ class TritonSettings:
     """What the ``tritonserver`` flags of `add_triton_flags` ask for."""
 
     exit_on_error: bool
+    server_id: str
     auto_complete_config: bool
     model_config_name: str
     grpc_channel_args: tuple[tuple[str, int], ...]
@@ -321,6 +330,7 @@ def triton_settings(args: argparse.Namespace, console: Console) -> TritonSetting
         auto_complete = False
     return TritonSettings(
         exit_on_error=args.exit_on_error,
+        server_id=args.server_id,
         auto_complete_config=auto_complete,
         model_config_name=args.model_config_name,
         grpc_channel_args=tuple(

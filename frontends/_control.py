@@ -218,7 +218,8 @@ class ModelControl:
                     reading=self.config_reading,
                 )
             except LoadRequestError as exc:
-                self._failed_to_load(name, exc)
+                if request.files or name in self.available():  # not a name of nothing
+                    self._failed_to_load(name, exc)
                 raise
             try:
                 await self._load_planned(name, plan)

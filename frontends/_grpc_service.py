@@ -85,6 +85,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     """The registered shared memory regions (`serve` shares one with the HTTP front end)."""
     restrictions: Restrictions = attrs.field(factory=Restrictions)
     """Method groups that need a metadata header (``--grpc-restricted-protocol``)."""
+    name: str = attrs.field(default="orchestrion", kw_only=True)
+    """The server's name in its metadata (``--id``)."""
     _streams: OpenStreams = attrs.field(factory=lambda: OpenStreams(), init=False)
     _wire: WireInfer = attrs.field(init=False)
 
@@ -130,7 +132,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         """Server name, version and extensions."""
-        return server_metadata_message(self.version)
+        return server_metadata_message(self.version, self.name)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         """A model's inputs and outputs (``-1`` for the batch dimension)."""
@@ -331,6 +333,7 @@ async def serve_grpc_api(
     shared_memory: SharedMemory | None = None,
     restrictions: Restrictions | None = None,
     channel_args: Sequence[tuple[str, int]] = (),
+    name: str = "orchestrion",
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
@@ -361,6 +364,7 @@ async def serve_grpc_api(
             version,
             shared_memory or SharedMemory(),
             restrictions or Restrictions(),
+            name=name,
         )
         loop_thread = _LoopThread(service, address, max_message_size, tuple(channel_args))
         try:

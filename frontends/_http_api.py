@@ -105,6 +105,8 @@ class HttpApi:
     """The registered shared memory regions (`serve` shares one with the gRPC front end)."""
     restrictions: Restrictions = attrs.field(factory=Restrictions)
     """Endpoint groups that need a header (``--http-restricted-api``)."""
+    name: str = attrs.field(default="orchestrion", kw_only=True)
+    """The server's name in its metadata (``--id``)."""
     _wire: WireInfer = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -149,7 +151,7 @@ class HttpApi:
             return (200 if self.control.ready() else 503), [], []
         if route == "/v2":
             _expect(method, "GET")
-            return _json(server_metadata(self.version))
+            return _json(server_metadata(self.version, self.name))
         raise _HttpError(404, f"no route for {path}")
 
     async def _shared_memory(self, request: HttpRequest) -> Answer:

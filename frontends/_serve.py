@@ -87,6 +87,8 @@ class ServeOptions:
     http_header_timeout: float = DEFAULT_HEADER_TIMEOUT
     http_body_timeout: float = DEFAULT_BODY_TIMEOUT
     http_body_min_rate: float = DEFAULT_BODY_MIN_RATE
+    server_id: str = "orchestrion"
+    """The server's name in its metadata (Triton's ``--id``)."""
     grpc_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     allow_client_shm: bool | None = None
     """Whether clients may use system shared memory (Triton's ``--allow-client-shm``);
@@ -280,6 +282,7 @@ async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None
         options.http_max_input_size,
         serving.memory,
         serving.restrictions[0],
+        name=options.server_id,
     )
     address: str = await front_ends.start(
         functools.partial(
@@ -317,6 +320,7 @@ async def _start_grpc(front_ends: trio.Nursery, serving: _Serving) -> str | None
             shared_memory=serving.memory,
             restrictions=serving.restrictions[1],
             channel_args=options.grpc_channel_args,
+            name=options.server_id,
         )
     )
     return address

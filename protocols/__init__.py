@@ -74,6 +74,13 @@ from ._observer import Observer as Observer
 from ._requests import RequestOptions as RequestOptions
 from ._requests import check_field_names as check_field_names
 from ._requests import new_request as new_request
+from ._sequence_tensors import INITIAL_STATE_FOLDER as INITIAL_STATE_FOLDER
+from ._sequence_tensors import SequenceTensors as SequenceTensors
+from ._sequence_tensors import initial_state_problem as initial_state_problem
+from ._sequence_tensors import model_facing as model_facing
+from ._sequence_tensors import sequence_problems as sequence_problems
+from ._sequence_tensors import sequence_tensor_names as sequence_tensor_names
+from ._sequence_tensors import start_value as start_value
 from ._statistics import FAILURE_REASONS as FAILURE_REASONS
 from ._statistics import CacheStatistics as CacheStatistics
 from ._statistics import CustomMetricFamily as CustomMetricFamily

@@ -37,9 +37,9 @@ EXTENSIONS = (
 """The server metadata's ``extensions`` (perf_analyzer reads ``statistics`` from here)."""
 
 
-def server_metadata(version: str) -> dict[str, Any]:
-    """The server metadata document (``GET /v2``)."""
-    return {"name": "orchestrion", "version": version, "extensions": list(EXTENSIONS)}
+def server_metadata(version: str, name: str = "orchestrion") -> dict[str, Any]:
+    """The server metadata document (``GET /v2``); ``name``: the server's (``--id``)."""
+    return {"name": name, "version": version, "extensions": list(EXTENSIONS)}
 
 
 def _tensor_metadata(config: ModelConfig, tensors: Sequence[Any]) -> list[dict[str, Any]]:

@@ -293,9 +293,11 @@ def final_response(model_name: str, model_version: str, request_id: str) -> Any:
     return message
 
 
-def server_metadata_message(version: str) -> Any:
+def server_metadata_message(version: str, name: str = "orchestrion") -> Any:
     """``ServerMetadataResponse``."""
-    return json_format.ParseDict(server_metadata(version), service_pb2.ServerMetadataResponse())
+    return json_format.ParseDict(
+        server_metadata(version, name), service_pb2.ServerMetadataResponse()
+    )
 
 
 def model_metadata_message(config: ModelConfig, versions: Sequence[int]) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from ._config import ONNX_BACKEND, ONNX_PLATFORM, InstanceKind, ModelConfig, TensorConfig
 from ._dtypes import DataType
 from ._ensemble_validation import validate_ensemble
+from ._sequence_tensors import sequence_problems
 
 
 def _segments(shape: tuple[int, ...]) -> list[int]:
@@ -182,6 +183,7 @@ def validate_model_config(config: ModelConfig) -> list[str]:
             not policy.specific or any(v < 1 for v in policy.specific)
         ):
             errors.append(f"model '{name}': version_policy specific needs positive versions")
+    errors.extend(sequence_problems(config))
     stateful = config.decoupled or config.sequence_batching is not None
     if stateful and config.response_cache is not None and config.response_cache.enable:
         kind = "decoupled" if config.decoupled else "sequence (stateful)"

@@ -18,6 +18,7 @@ from ._builders import ensemble as ensemble
 from ._builders import fused as fused
 from ._builders import gated as gated
 from ._builders import infer_until_fused as infer_until_fused
+from ._builders import infer_until_inline as infer_until_inline
 from ._builders import model as model
 from ._builders import outcome as outcome
 from ._builders import plus_one as plus_one

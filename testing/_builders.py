@@ -265,6 +265,22 @@ async def infer_until_fused(
     return False
 
 
+async def infer_until_inline(
+    server: AsyncServer, name: str, inputs: Mapping[str, Any], model: str, windows: int = 25
+) -> bool:
+    """Ask ``name`` with ``inputs`` until every instance of ``model`` (``name`` itself or a
+    step of it) runs inline on the event loop, at most ``windows`` windows of executions;
+    whether they do. An instance starts in a worker thread when its warm-up was slow (a
+    busy machine) and comes back inline once a window of its executions proves short."""
+    for _ in range(windows * SWITCH_WINDOW):
+        await server.infer(name, dict(inputs))
+        runner = server._registry.resolve(model)
+        assert isinstance(runner, ModelRunner), model
+        if all(instance.inline for instance in runner.instances):
+            return True
+    return False
+
+
 def _fusion_of(server: AsyncServer, name: str) -> Fusion | None:
     ensemble = server._registry.resolve(name)
     assert isinstance(ensemble, EnsembleRunner), name

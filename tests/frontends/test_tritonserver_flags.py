@@ -151,9 +151,22 @@ def test_a_triton_launch_line_starts_and_warns_once(launched: Served) -> None:
     warnings = [line for line in launched.output if line.startswith("warning: ignoring")]
     assert warnings == [
         "warning: ignoring tritonserver flags that do not apply to orchestrion: "
-        "--backend-directory, --backend-config, --model-load-thread-count, --id"
+        "--backend-directory, --backend-config, --model-load-thread-count"
     ]
     assert sum("--strict-model-config is deprecated" in line for line in launched.output) == 1
+
+
+def test_the_id_is_the_servers_name_in_its_metadata(launched: Served) -> None:
+    """--id names the server in its metadata over HTTP and gRPC, as in Triton (whose own
+    clients check it)."""
+    http = httpclient.InferenceServerClient(launched.http)
+    grpc = grpcclient.InferenceServerClient(launched.grpc)
+    try:
+        assert http.get_server_metadata()["name"] == "triton-1"
+        assert grpc.get_server_metadata().name == "triton-1"
+    finally:
+        http.close()
+        grpc.close()
 
 
 def test_exit_on_error_false_serves_what_loaded(launched: Served, models: Path) -> None:

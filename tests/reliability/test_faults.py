@@ -41,6 +41,7 @@ from orchestrion.testing import (
     grpc_inputs,
     http_call,
     infer_until_fused,
+    infer_until_inline,
     model,
     pending,
     settled,
@@ -604,7 +605,7 @@ async def test_a_step_hanging_inside_a_fused_ensemble_is_named_by_the_watchdog(
     )
     async with open_server(models=[first, second, with_fusion(pipe, fusion)]) as server:
         if fusion == "off":
-            await server.infer("fused", {"IN": X})
+            assert await infer_until_inline(server, "fused", {"IN": X}, "second")
             assert not await settled(server, "fused")
         else:
             assert await infer_until_fused(server, "fused", {"IN": X})

@@ -67,6 +67,94 @@ def add(dims: Dims = ("batch", 4), name_a: str = "A", name_b: str = "B") -> byte
     return _model(helper.make_graph(nodes, "add", inputs, outputs))
 
 
+def add_sub(data_type: DataType = DataType.INT32, width: int = 16) -> bytes:
+    """``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1`` on ``[batch, width]``
+    tensors of ``data_type``, computed in INT32 (strings cast to numbers and back), the shape
+    of Triton's quick-start ``simple``, ``simple_int8`` and ``simple_string``."""
+    element = ELEMENT_TYPES[data_type]
+    nodes = [
+        helper.make_node("Cast", [f"INPUT{i}"], [f"n{i}"], to=TensorProto.INT32) for i in (0, 1)
+    ]
+    nodes += [
+        helper.make_node("Add", ["n0", "n1"], ["sum"]),
+        helper.make_node("Sub", ["n0", "n1"], ["difference"]),
+        helper.make_node("Cast", ["sum"], ["OUTPUT0"], to=element),
+        helper.make_node("Cast", ["difference"], ["OUTPUT1"], to=element),
+    ]
+    dims = ["batch", width]
+    inputs = [helper.make_tensor_value_info(f"INPUT{i}", element, dims) for i in (0, 1)]
+    outputs = [helper.make_tensor_value_info(f"OUTPUT{i}", element, dims) for i in (0, 1)]
+    return _model(helper.make_graph(nodes, "add_sub", inputs, outputs))
+
+
+def sequence_controls(*, corrid: bool) -> bytes:
+    """``OUTPUT = READY * (INPUT + START)``, plus ``END * CORRID`` when ``corrid``: INT32
+    ``[batch, 1]`` tensors (CORRID UINT64), the shape of Triton's quick-start
+    ``simple_sequence`` and ``simple_dyna_sequence``: the controls show in the answer."""
+    names = ["INPUT", "START", "READY"] + (["END"] if corrid else [])
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in names]
+    nodes = [helper.make_node("Add", ["INPUT", "START"], ["started"])]
+    total = "started"
+    if corrid:
+        inputs.append(helper.make_tensor_value_info("CORRID", TensorProto.UINT64, ["batch", 1]))
+        nodes += [
+            helper.make_node("Cast", ["CORRID"], ["id32"], to=TensorProto.INT32),
+            helper.make_node("Mul", ["END", "id32"], ["ended"]),
+            helper.make_node("Add", ["started", "ended"], ["total"]),
+        ]
+        total = "total"
+    nodes.append(helper.make_node("Mul", ["READY", total], ["OUTPUT"]))
+    output = helper.make_tensor_value_info("OUTPUT", TensorProto.INT32, ["batch", 1])
+    return _model(helper.make_graph(nodes, "sequence", inputs, [output]))
+
+
+def accumulator() -> bytes:
+    """A running sum in implicit state: ``OUTPUT_STATE = INPUT + INPUT_STATE`` (the state
+    fed back by the sequence batcher), ``OUTPUT = OUTPUT_STATE``, and ``READY`` passed
+    through as ``ROW_READY``: INT32 ``[batch, 1]``."""
+    names = ("INPUT", "INPUT_STATE", "READY")
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in names]
+    nodes = [
+        helper.make_node("Add", ["INPUT", "INPUT_STATE"], ["OUTPUT_STATE"]),
+        helper.make_node("Identity", ["OUTPUT_STATE"], ["OUTPUT"]),
+        helper.make_node("Identity", ["READY"], ["ROW_READY"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1])
+        for n in ("OUTPUT", "OUTPUT_STATE", "ROW_READY")
+    ]
+    return _model(helper.make_graph(nodes, "accumulator", inputs, outputs))
+
+
+def slot_probe() -> bytes:
+    """What a sequence batcher hands a model, row by row: ``ROW`` (the row's place in the
+    batch, from 1), ``SEEN_READY``, ``SEEN_START``, ``SEEN_END`` and ``SEEN_CORRID`` (its
+    controls) and ``OUTPUT = INPUT``: INT32 ``[batch, 1]`` (CORRID INT64)."""
+    flags = ("READY", "START", "END")
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("INPUT", *flags)
+    ]
+    inputs.append(helper.make_tensor_value_info("CORRID", TensorProto.INT64, ["batch", 1]))
+    zero = numpy_helper.from_array(np.array(0, np.int32), "zero")
+    one = numpy_helper.from_array(np.array(1, np.int32), "one")
+    axis = numpy_helper.from_array(np.array(0, np.int64), "axis")
+    nodes = [
+        helper.make_node("Mul", ["READY", "zero"], ["zeros"]),
+        helper.make_node("Add", ["zeros", "one"], ["ones"]),
+        helper.make_node("CumSum", ["ones", "axis"], ["ROW"]),
+        helper.make_node("Identity", ["INPUT"], ["OUTPUT"]),
+        helper.make_node("Identity", ["CORRID"], ["SEEN_CORRID"]),
+    ]
+    nodes += [helper.make_node("Identity", [f], [f"SEEN_{f}"]) for f in flags]
+    outputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1])
+        for n in ("OUTPUT", "ROW", *(f"SEEN_{f}" for f in flags))
+    ]
+    outputs.append(helper.make_tensor_value_info("SEEN_CORRID", TensorProto.INT64, ["batch", 1]))
+    graph = helper.make_graph(nodes, "slot_probe", inputs, outputs, [zero, one, axis])
+    return _model(graph)
+
+
 def classifier(classes: int = 1000, seed: int = 0) -> bytes:
     """A small image classifier shaped like Triton's quick-start ``densenet_onnx``: input
     ``data_0`` FP32 [1, 3, 224, 224], output ``fc6_1`` FP32 [1, classes, 1, 1] (a strided
