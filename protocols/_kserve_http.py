@@ -311,25 +311,33 @@ def _json_tensor(
     if not isinstance(data, list):
         raise InvalidRequestError(f"input '{name}': 'data' must be an array")
     allowed = _JSON_TYPES.get(dtype.numpy_dtype.kind, _NUMBERS)
-    out = np.empty(count, dtype=dtype.numpy_dtype)
+    # The pieces are converted as they come and joined once all are counted: the shape
+    # alone (a client's word) must never size an allocation.
+    parts: list[np.ndarray[Any, Any]] = []
     seen = 0
     for piece in _pieces(data, name):
         at, seen = seen, seen + len(piece)
         if seen > count:
-            continue  # too many: counted to the end, for the message below
+            parts.clear()  # too many: counted to the end, for the message below
+            continue
         kinds = set(map(type, piece))
         if not kinds <= allowed:
             raise InvalidRequestError(_element_problem(name, dtype, kinds))
         if dtype is DataType.BYTES:
-            out[at:seen] = _encoded(piece, name, at)
+            part = np.empty(len(piece), dtype=object)
+            part[:] = _encoded(piece, name, at)
         else:
-            out[at:seen] = numeric_array(piece, dtype, (len(piece),), name)
+            part = numeric_array(piece, dtype, (len(piece),), name)
+        parts.append(part)
     if seen != count:
         raise InvalidRequestError(
             f"unexpected number of elements {seen} for input '{name}' of shape {shape}, "
             f"expecting {count}"
         )
-    return out.reshape(tuple(shape))
+    if not parts:
+        return np.empty(tuple(shape), dtype=dtype.numpy_dtype)
+    joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return joined.reshape(tuple(shape))
 
 
 _SLICE = 1 << 16

@@ -201,3 +201,14 @@ def test_the_collector_pause_nests_and_restores() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [DataType.BOOL, DataType.FP64, DataType.BYTES])
+def test_a_huge_shape_over_little_data_is_refused_before_anything_is_allocated(
+    dtype: DataType,
+) -> None:
+    """A shape of 2**40 elements with one element of data: a 400 counting the elements,
+    not an attempt to allocate terabytes (the shape is the client's word)."""
+    value: Any = "a" if dtype is DataType.BYTES else (True if dtype is DataType.BOOL else 1.5)
+    with pytest.raises(InvalidRequestError, match="unexpected number of elements 1"):
+        _json_tensor([value], dtype, [2**40], "X")
