@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from orchestrion.protocols import DataType, InvalidRequestError
 from orchestrion.protocols import _json_slices as json_slices
-from orchestrion.protocols._kserve_http import _json_tensor, decode_http_request
+from orchestrion.protocols._json_tensors import json_tensor as _json_tensor
+from orchestrion.protocols._kserve_http import decode_http_request
 
 SCALARS = (
     st.none()
