@@ -41,12 +41,13 @@ says otherwise (the SDK's default, 10 s, would hold a server's exit that long)."
 _PROPAGATOR = TraceContextTextMapPropagator()
 UNSAMPLED = object()
 """The `InferRequest.trace` of a request the sampler left out: its parts make no spans."""
-# perf_counter_ns is what the runtime measures with; spans want wall-clock nanoseconds.
-_EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
 
 def _wall(perf_ns: int) -> int:
-    return perf_ns + _EPOCH_OFFSET_NS
+    """A ``perf_counter_ns`` stamp (what the runtime measures with) as wall-clock nanoseconds
+    (what spans want), by the clocks' offset now: the wall clock may have been stepped since
+    start (a VM's clock is), and the request's own span was started by the wall clock."""
+    return perf_ns + time.time_ns() - time.perf_counter_ns()
 
 
 def extract_traceparent(traceparent: str, tracestate: str | None = None) -> Context:
