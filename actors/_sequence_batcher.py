@@ -353,7 +353,10 @@ class SequenceBatcher:
                 self._poke_all()
 
     async def _run_listed(self, lane: Lane, rows: list[_Row]) -> None:
-        works = [Work(request=r.request, enqueued_ns=r.work.enqueued_ns) for r in rows]  # type: ignore[arg-type]
+        works = []
+        for row in rows:
+            assert row.request is not None  # only prepared rows are run
+            works.append(Work(request=row.request, enqueued_ns=row.work.enqueued_ns))
         try:
             await self.runner.run_listed(lane.instance, works)
         finally:

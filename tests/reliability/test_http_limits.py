@@ -40,6 +40,17 @@ def _log_problems(served: Served) -> list[str]:
     ]
 
 
+def _assert_all_408(
+    sockets: list[socket.socket], replies: dict[socket.socket, bytes], flag: str
+) -> None:
+    """Each of ``sockets`` got a JSON 408 naming ``flag``, with ``connection: close``."""
+    for sock in sockets:
+        status, headers, body = parse_reply(replies[sock])
+        assert status == 408, replies[sock][:200]
+        assert headers.get("connection") == "close"
+        assert flag in json.loads(body)["error"]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Served]:
     """A server whose head and body deadlines are 1 s, so the slow clients are cut quickly."""
@@ -241,11 +252,7 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
         for sock in trickling:
             sock.close()
         assert len(cut) == attackers, f"{attackers - len(cut)} trickling heads still open"
-        for sock in trickling:
-            status, headers, body = parse_reply(replies[sock])
-            assert status == 408, replies[sock][:200]
-            assert headers.get("connection") == "close"
-            assert "--http-header-timeout" in json.loads(body)["error"]
+        _assert_all_408(trickling, replies, "--http-header-timeout")
         head_seconds = max(cut.values())
         assert head_seconds < 1 + 1.5, cut
         assert max(sent.values()) < len(head) // 2, "the trickle ran to its end uncut"
@@ -257,7 +264,7 @@ def test_slow_heads_and_missing_bodies_get_408(server: Served) -> None:
             )
             reply, closed = read_until_closed(sock, 10)
             body_seconds = time.monotonic() - began
-        status, headers, body = parse_reply(reply)
+        status, _headers, body = parse_reply(reply)
         assert (status, closed) == (408, True), reply[:200]
         assert "--http-body-timeout" in json.loads(body)["error"]
         assert body_seconds < 1 + 1.5, body_seconds
@@ -321,11 +328,7 @@ def test_bodies_trickled_below_the_minimum_rate_get_408(server: Served) -> None:
         for sock in trickling:
             sock.close()
     assert len(cut) == len(trickling), f"{len(trickling) - len(cut)} trickles still open"
-    for sock in trickling:
-        status, headers, body = parse_reply(replies[sock])
-        assert status == 408, replies[sock][:200]
-        assert headers.get("connection") == "close"
-        assert "--http-body-min-rate" in json.loads(body)["error"]
+    _assert_all_408(trickling, replies, "--http-body-min-rate")
     seconds = max(cut.values())
     assert seconds < 1 + 1.5, cut
     assert set(prober.statuses) == {200}, set(prober.statuses)
