@@ -21,7 +21,7 @@ import anyio.from_thread
 import sniffio
 from opentelemetry import trace
 
-from ._server import AsyncServer, open_server
+from ._server import AsyncServer, CacheTierLink, open_server
 from .actors import Model
 from .protocols import (
     CacheStatistics,
@@ -194,6 +194,11 @@ class Server:
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
         """See `AsyncServer.step_statistics`."""
         result: tuple[StepStatistics, ...] = self._sync("step_statistics", ensemble)
+        return result
+
+    def cache_tier_link(self) -> CacheTierLink:
+        """See `AsyncServer.cache_tier_link` (use the link on the server's thread)."""
+        result: CacheTierLink = self._sync("cache_tier_link")
         return result
 
     def model_config(self, name: str, version: int = -1) -> ModelConfig:

@@ -13,7 +13,8 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +104,77 @@ class _MetricsSource:
 
     def cache_statistics(self) -> CacheStatistics | None:
         cache = self.registry.cache
-        return cache.statistics() if cache is not None else None
+        if cache is None:
+            return None
+        self.registry.gather_statistics()
+        return cache.statistics()
 
     def all_step_statistics(self) -> list[StepStatistics]:
         return self.registry.all_step_statistics()
 
     def custom_metrics(self) -> list[CustomMetricFamily]:
         return self.registry.custom_metrics()
+
+
+@contextlib.contextmanager
+def _listed(callbacks: list[Callable[..., None]], callback: Callable[..., None]) -> Iterator[None]:
+    """``callback`` in ``callbacks`` while the block runs."""
+    callbacks.append(callback)
+    try:
+        yield
+    finally:
+        callbacks.remove(callback)
+
+
+@attrs.frozen
+class CacheTierLink:
+    """A server as a front end with a cache tier of its own sees it (the native front end's
+    first tier of the response cache): when its answers stop being valid, whether a model's
+    answers may be kept, and where the tier's hits are counted. Use it on the server's
+    thread."""
+
+    _registry: ModelRegistry
+
+    @property
+    def generation(self) -> int:
+        """Counts the changes to the set of loaded models (each load, reload and unload):
+        an answer computed at one generation may be kept until the next."""
+        return self._registry.generation
+
+    def changes(self, callback: Callable[[int], None]) -> AbstractContextManager[None]:
+        """Within the block, ``callback(generation)`` runs right after each change to the
+        set of loaded models."""
+        return _listed(self._registry.models_listeners, callback)
+
+    def statistics_source(self, gather: Callable[[], None]) -> AbstractContextManager[None]:
+        """Within the block, ``gather()`` runs before statistics and metrics are read, to
+        bring in what the tier counted (`count_hits`, `report_usage`)."""
+        return _listed(self._registry.statistics_sources, gather)
+
+    def has_cache(self) -> bool:
+        """Whether the server has a response cache."""
+        return self._registry.cache is not None
+
+    def caches(self, name: str, version: int = -1) -> bool:
+        """Whether the server caches the answers of ``name`` (it has a cache and the
+        model's config enables it)."""
+        if self._registry.cache is None:
+            return False
+        cache = self._registry.resolve(name, version).config.response_cache
+        return cache is not None and cache.enable
+
+    def count_hits(
+        self, name: str, version: int, count: int, duration_ns: int, lookup_ns: int
+    ) -> None:
+        """Count ``count`` requests for ``name`` at ``version`` answered by the tier:
+        successes and cache hits in the model's statistics and metrics, hits in the
+        cache's (``duration_ns``, ``lookup_ns``: their total times)."""
+        self._registry.count_cache_hits(name, version, count, duration_ns, lookup_ns)
+
+    def report_usage(self, entries: int, used_bytes: int) -> None:
+        """What the tier holds now (in the cache's statistics and metrics)."""
+        if self._registry.cache is not None:
+            self._registry.cache.frontend_usage(entries, used_bytes)
 
 
 @attrs.define(eq=False)
@@ -233,7 +298,15 @@ class AsyncServer:
     def cache_statistics(self) -> CacheStatistics | None:
         """The response cache's counters and usage (None when the server has no cache)."""
         cache = self._registry.cache
-        return cache.statistics() if cache is not None else None
+        if cache is None:
+            return None
+        self._registry.gather_statistics()
+        return cache.statistics()
+
+    def cache_tier_link(self) -> CacheTierLink:
+        """What a front end that answers repeated requests from a cache tier of its own needs
+        of this server (see `CacheTierLink`)."""
+        return CacheTierLink(self._registry)
 
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
         """Live queue depth, in-flight count and blocked time of each step of an ensemble."""

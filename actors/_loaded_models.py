@@ -13,7 +13,7 @@ it, so a load, reload or unload never lets a cache answer with another revision'
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -83,11 +83,19 @@ class LoadedModels:
     """The server is shutting down: an unknown name is a `ServerClosedError`."""
     generation: int = 0
     """Counts the changes to the set of loaded runners (a load, a reload, an unload)."""
+    listeners: list[Callable[[int], None]] = attrs.field(factory=list)
+    """Called with the new generation after each change (`changed`)."""
     _streaming: dict[str, bool] = attrs.field(factory=dict)
     """`decoupled` answers, cleared (`forget_streaming`) whenever the set changes."""
     _revisions: dict[Runner, str] = attrs.field(factory=dict)
     """`revision` of each runner, valid while the generation is `_revisions_at`."""
     _revisions_at: int = -1
+
+    def changed(self) -> None:
+        """The set of loaded runners changed: a new generation, told to the listeners."""
+        self.generation += 1
+        for listener in list(self.listeners):
+            listener(self.generation)
 
     # -- lookup ----------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ table and answers for all of them.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -89,6 +89,9 @@ class ModelRegistry:
     _models: LoadedModels = attrs.field(init=False, factory=LoadedModels)
     _router: RequestRouter = attrs.field(init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    statistics_sources: list[Callable[[], None]] = attrs.field(factory=list, init=False)
+    """Called before statistics are read, to bring in counts kept elsewhere (the hits of
+    the native front end's cache tier)."""
     _draining: list[EnsembleRunner] = attrs.field(factory=list)
     """Unloaded (or replaced) ensembles whose running requests have not all finished."""
 
@@ -99,6 +102,11 @@ class ModelRegistry:
     def generation(self) -> int:
         """Counts the changes to the set of loaded runners (a load, a reload, an unload)."""
         return self._models.generation
+
+    @property
+    def models_listeners(self) -> list[Callable[[int], None]]:
+        """Called with the new `generation` after each change."""
+        return self._models.listeners
 
     @property
     def _runners(self) -> dict[str, dict[int, Runner]]:
@@ -137,7 +145,26 @@ class ModelRegistry:
         Raises:
             ModelNotFoundError: ``name`` (or that version of it) is not loaded.
         """
+        self.gather_statistics()
         return self._models.statistics(name, version)
+
+    def gather_statistics(self) -> None:
+        """Run the `statistics_sources`: counts kept elsewhere join the models' own."""
+        for source in list(self.statistics_sources):
+            source()
+
+    def count_cache_hits(
+        self, name: str, version: int, count: int, duration_ns: int, lookup_ns: int
+    ) -> None:
+        """Count ``count`` requests answered from a cache tier outside the server (the
+        native front end's) as cache hits of ``name`` at ``version``: successes, not
+        inferences, as Triton counts its cache hits. A model since unloaded is skipped."""
+        runner = self._models.runners.get(name, {}).get(version)
+        if runner is None:
+            return
+        runner.stats.cached_answers(count, duration_ns, lookup_ns)
+        if self.cache is not None:
+            self.cache.count_hits(count)
 
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
         """Live per-step state of the latest version of an ensemble."""
@@ -222,7 +249,7 @@ class ModelRegistry:
                 if replaced is not None:
                     _keep_counting(replaced.stats, fresh)
             self._models.runners[name] = runners
-        self._models.generation += 1
+        self._models.changed()
         self._models.forget_streaming()
         await self._close_runners(old)
 
@@ -385,7 +412,7 @@ class ModelRegistry:
             self._models.forget_streaming()
             for victim in [*users, name]:  # outermost first: inner ones still serve them
                 runners = self._models.runners.pop(victim, {})
-                self._models.generation += 1
+                self._models.changed()
                 await self._close_runners({victim: runners})
                 for draining in [r for r in self._draining if r.config.name == victim]:
                     await draining.close()  # left draining by an earlier, cancelled unload
@@ -402,7 +429,7 @@ class ModelRegistry:
             for name in self._outermost_first(ensembles, self._uses()):
                 await self._close_runners({name: self._models.runners[name]})
             models, self._models.runners = self._models.runners, {}
-            self._models.generation += 1
+            self._models.changed()
             await self._close_runners({n: r for n, r in models.items() if n not in ensembles})
 
     def abort(self) -> None:
@@ -414,7 +441,7 @@ class ModelRegistry:
                 if isinstance(runner, ModelRunner):
                     runner.close()
         self._models.runners = {}
-        self._models.generation += 1
+        self._models.changed()
 
     # -- repository ------------------------------------------------------------------------
 

@@ -79,6 +79,15 @@ class StatsRecorder:
         self.infer_ns += infer_ns * requests
         self.output_ns += output_ns * requests
 
+    def cached_answers(self, count: int, duration_ns: int, lookup_ns: int) -> None:
+        """Count ``count`` requests answered by a cache tier outside the runtime: each a
+        success and a cache hit (``duration_ns`` and ``lookup_ns``: their totals)."""
+        self.success_count += count
+        self.success_ns += duration_ns
+        self.cache_hit_count += count
+        self.cache_hit_ns += lookup_ns
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
     def cache_looked_up(self, hit: bool, duration_ns: int) -> None:
         """Count one cache lookup: a hit's lookup time, or a miss's lookup + insert time."""
         if hit:

@@ -26,7 +26,10 @@
 # files), RESULTS (bench/.peers/results; bench/.peers/results-same-models with
 # ORCHESTRION_MODELS=triton_models, so neither run overwrites the other's), CHECK (1: before
 # measuring, bench/vs_triton/check_same.py checks over HTTP that the server computes the numpy
-# reference).
+# reference), MIN_RATIO (unset: report only; a number: exit 1 when any row's throughput
+# ratio orchestrion / Triton is below it: the regression check, e.g.
+#   MIN_RATIO=1.0 CONCURRENCY="1 16" MEASUREMENT_INTERVAL=2000 bench/vs_triton.sh
+# in about four minutes).
 #
 # First run installs, into git-ignored folders only: bench/.venv-triton (nvidia-pytriton 0.7.0,
 # which carries tritonserver 2.51.0 and its Python backend) and bench/.peers (perf_analyzer
@@ -260,4 +263,5 @@ for name in $SERVERS; do
 done
 log "measured in $((SECONDS - t_start)) s; raw CSVs and logs under $RESULTS"
 "$VENV/bin/python" "$HERE/report.py" "$RESULTS" \
-  --servers "$SERVERS" --protocols "$PROTOCOLS" --cache "$CACHE" --concurrency "$CONCURRENCY"
+  --servers "$SERVERS" --protocols "$PROTOCOLS" --cache "$CACHE" --concurrency "$CONCURRENCY" \
+  ${MIN_RATIO:+--min-ratio "$MIN_RATIO"}

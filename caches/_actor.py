@@ -161,6 +161,9 @@ class CacheActor:
     name: str
     lookups: int = 0
     hits: int = 0
+    frontend_hits: int = 0
+    """Hits answered by a tier in front of the cache (counted in ``hits`` too)."""
+    _frontend_usage: tuple[int, int] | None = None
     misses: int = 0
     coalesced: int = 0
     insertions: int = 0
@@ -486,6 +489,17 @@ class CacheActor:
 
     # -- statistics ------------------------------------------------------------------------
 
+    def count_hits(self, count: int) -> None:
+        """Count ``count`` lookups that hit in a tier in front of this cache (the native
+        front end's), so the cache-wide counters add up."""
+        self.lookups += count
+        self.hits += count
+        self.frontend_hits += count
+
+    def frontend_usage(self, entries: int, used_bytes: int) -> None:
+        """What the tier in front of this cache holds now."""
+        self._frontend_usage = (entries, used_bytes)
+
     def statistics(self) -> CacheStatistics:
         """A snapshot of the actor's counters and the cache's usage."""
         usage = self.cache.usage()
@@ -510,6 +524,9 @@ class CacheActor:
             evictions=usage.evictions,
             used_bytes=usage.used_bytes,
             capacity_bytes=usage.capacity_bytes,
+            frontend_hits=self.frontend_hits,
+            frontend_entries=self._frontend_usage[0] if self._frontend_usage else None,
+            frontend_bytes=self._frontend_usage[1] if self._frontend_usage else None,
         )
 
 

@@ -189,6 +189,7 @@ def _add_limit_flags(network: argparse._ArgumentGroup) -> None:
         help="HTTP connections served at once; more get 503 (default: half the open-file "
         f"limit, at most {MAX_DEFAULT_CONNECTIONS})",
     )
+    _add_frontend_flags(network)
     _add_timeout_flags(network)
     max_message = _default("grpc_max_message_size")
     network.add_argument(
@@ -324,6 +325,35 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_frontend_flags(network: argparse._ArgumentGroup) -> None:
+    """The choice of front end and the native front end's settings."""
+    network.add_argument(
+        "--frontend",
+        choices=("auto", "native", "python"),
+        default=_default("frontend"),
+        help="what serves HTTP and gRPC: native (compiled, outside the interpreter: the "
+        "orchestrion-native package), python (h11 and grpcio), or auto: native when "
+        f"installed (default: {_default('frontend')})",
+    )
+    network.add_argument(
+        "--frontend-threads",
+        type=int,
+        default=_default("frontend_threads"),
+        metavar="N",
+        help="threads of the native front end's sockets, besides the interpreter's "
+        f"(default: {_default('frontend_threads')})",
+    )
+    network.add_argument(
+        "--frontend-cache-size",
+        type=int,
+        default=_default("frontend_cache_size"),
+        metavar="BYTES",
+        help="with a response cache: bytes of answers the native front end keeps and "
+        "answers itself, without Python, for repeated requests to models that cache "
+        f"(default: {_mib(_default('frontend_cache_size'))}; 0: none)",
+    )
+
+
 def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOptions, LogSettings]:
     """``serve``'s parsed flags as `ServeOptions` and `LogSettings` (warnings go to
     ``console``: the cache's, and the ``tritonserver`` flags ignored).
@@ -370,6 +400,9 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         http_restricted_apis=tuple(args.http_restricted_api),
         grpc_restricted_protocols=tuple(args.grpc_restricted_protocol),
         model_upload_max_size=args.model_upload_max_size,
+        frontend=args.frontend,
+        frontend_threads=args.frontend_threads,
+        frontend_cache_size=args.frontend_cache_size,
     )
     return options, triton.logs
 

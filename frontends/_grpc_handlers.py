@@ -1,8 +1,10 @@
-"""How grpcio calls the servicer: each method of ``GRPCInferenceService`` registered as the
-generated code would, with three differences. Messages that protobuf cannot decode become
-that request's INVALID_ARGUMENT (not grpcio's UNKNOWN for the whole call); a method of a
-restricted group refuses calls without the group's metadata (`frontends._restricted`); and a
-response already serialized (`serialized_grpc_response`) passes through as bytes.
+"""How a transport calls the servicer: each method of ``GRPCInferenceService`` as the
+generated code would register it, with three differences. Messages that protobuf cannot
+decode become that request's INVALID_ARGUMENT (not grpcio's UNKNOWN for the whole call); a
+method of a restricted group refuses calls without the group's metadata
+(`frontends._restricted`); and a response already serialized (`serialized_grpc_response`)
+passes through as bytes. `methods` is that table, which both transports use: grpcio's
+(`method_handlers`) and the native front end's (`frontends._native`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import attrs
 import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
@@ -86,26 +89,58 @@ def _serializer(message_type: Any) -> Callable[[Any], bytes]:
     return serializer
 
 
-def method_handlers(service: Any) -> grpc.GenericRpcHandler:
-    """The servicer's methods (an `InferenceService`), as the generated code registers them,
-    with lenient decoding, restrictions and pass-through serialization."""
+@attrs.frozen
+class Method:
+    """One method of ``GRPCInferenceService`` as a transport calls it."""
+
+    name: str
+    streaming: bool
+    """Client and server streaming (ModelStreamInfer); else unary."""
+    category: str
+    """Its restricted-protocol group (``--grpc-restricted-protocol``)."""
+    deserialize: Callable[[bytes], Any]
+    """The request message, or `Undecodable`."""
+    serialize: Callable[[Any], bytes]
+    behaviour: Callable[..., Any]
+    """``(request, context)``: unary methods refuse undecodable or restricted calls."""
+
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+def methods(service: Any) -> dict[str, Method]:
+    """The servicer's methods (an `InferenceService`), by name, with lenient decoding,
+    restrictions and pass-through serialization."""
     descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {}
+    table = {}
     for method in descriptor.methods:
         request_type = getattr(service_pb2, method.input_type.name)
         response_type = getattr(service_pb2, method.output_type.name)
         behaviour = getattr(service, method.name)
-        coding = {
-            "request_deserializer": _lenient(request_type.FromString),
-            "response_serializer": _serializer(response_type),
-        }
         category = GRPC_METHODS.get(method.name, "")
-        if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _guarded_stream(behaviour, category, service.restrictions), **coding
-            )
+        table[method.name] = Method(
+            name=method.name,
+            streaming=method.client_streaming,
+            category=category,
+            deserialize=_lenient(request_type.FromString),
+            serialize=_serializer(response_type),
+            behaviour=_guarded_stream(behaviour, category, service.restrictions)
+            if method.client_streaming
+            else _guarded(behaviour, category, service.restrictions),
+        )
+    return table
+
+
+def method_handlers(service: Any) -> grpc.GenericRpcHandler:
+    """The servicer's methods as grpcio's handlers."""
+    handlers = {}
+    for name, method in methods(service).items():
+        coding = {
+            "request_deserializer": method.deserialize,
+            "response_serializer": method.serialize,
+        }
+        if method.streaming:
+            handlers[name] = grpc.stream_stream_rpc_method_handler(method.behaviour, **coding)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _guarded(behaviour, category, service.restrictions), **coding
-            )
-    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+            handlers[name] = grpc.unary_unary_rpc_method_handler(method.behaviour, **coding)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

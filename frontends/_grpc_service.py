@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import grpc
@@ -73,13 +73,38 @@ def _traceparent(context: Any) -> str | None:
     return None
 
 
+class Calls(Protocol):
+    """How the servicer reaches the trio thread: `TrioBridge` from grpcio's asyncio loop,
+    `DirectCalls` when the servicer already runs on trio (the native front end)."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)`` on the trio thread."""
+        ...
+
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        """``fn()`` on the trio thread, soon."""
+        ...
+
+
+class DirectCalls:
+    """`Calls` for a servicer that runs on the trio thread itself."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)``, here."""
+        return await fn(*args)
+
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        """``fn()``, now."""
+        fn()
+
+
 @attrs.define(eq=False, slots=False)
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """The servicer: each RPC of ``GRPCInferenceService`` (runs on the asyncio loop)."""
 
     server: AsyncServer
     control: ModelControl
-    bridge: TrioBridge
+    bridge: Calls
     version: str
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
     """The registered shared memory regions (`serve` shares one with the HTTP front end)."""
@@ -112,7 +137,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         """Run ``fn`` (reading the server's state) on the trio thread, where that state
         lives, so it never races a load or unload; errors abort the RPC."""
         try:
-            return await self.bridge.call(call_sync, fn, *args)
+            result: T = await self.bridge.call(call_sync, fn, *args)
+            return result
         except Exception as exc:
             await self._abort(context, exc)
             raise  # abort raises; this line is never reached

@@ -40,9 +40,22 @@ from ._control import (
     Shutdown,
     repository_fingerprints,
 )
-from ._grpc_service import DEFAULT_MAX_MESSAGE_SIZE, serve_grpc_api
+from ._grpc_service import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    DirectCalls,
+    InferenceService,
+    serve_grpc_api,
+)
 from ._http_api import DEFAULT_MAX_INPUT_SIZE, HttpApi, serve_http_api
-from ._http_server import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+from ._http_server import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    default_max_connections,
+)
+from ._native import available as native_available
+from ._native import serve_native
+from ._native_cache import DEFAULT_TIER_SIZE
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 from ._uploads import UploadFolders, open_upload_folders
@@ -104,6 +117,14 @@ class ServeOptions:
     grpc_channel_args: Sequence[tuple[str, int]] = ()
     """More of grpcio's server options (Triton's gRPC keepalive flags, ``--reuse-grpc-port``),
     over the defaults."""
+    frontend: str = "auto"
+    """What serves HTTP and gRPC: ``native`` (the orchestrion-native package: hyper in
+    threads of its own), ``python`` (h11 on trio, grpcio), ``auto`` (native when installed)."""
+    frontend_threads: int = 2
+    """The native front end's socket threads."""
+    frontend_cache_size: int = DEFAULT_TIER_SIZE
+    """Bytes of answers the native front end keeps and answers itself, for models whose
+    responses the server caches (0: none; see `frontends._native_cache`)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -167,8 +188,11 @@ async def serve(
             serving = _Serving(server, control, version, options, shutdown, memory, restrictions)
             async with ungrouped(trio.open_nursery()) as front_ends:
                 with shutdown.on_request(control.stop_accepting):
-                    http = await _start_http(front_ends, serving)
-                    grpc = await _start_grpc(front_ends, serving)
+                    if _native_chosen(options):
+                        http, grpc = await _start_native(front_ends, serving)
+                    else:
+                        http = await _start_http(front_ends, serving)
+                        grpc = await _start_grpc(front_ends, serving)
                     metrics = server.metrics_url
                     task_status.started(
                         Endpoints(
@@ -227,6 +251,19 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
             f"--model-control-mode must be none, explicit or poll, not "
             f"'{options.model_control_mode}'"
         ) from None
+    if options.frontend not in ("auto", "native", "python"):
+        raise ConfigError(f"--frontend must be auto, native or python, not '{options.frontend}'")
+    if options.frontend == "native" and not native_available():
+        raise ConfigError(
+            "--frontend native: the native front end is not installed (pip install ./native "
+            "from orchestrion's repository)"
+        )
+    if options.frontend_cache_size < 0:
+        raise ConfigError(
+            f"--frontend-cache-size must be >= 0 (0: none), not {options.frontend_cache_size}"
+        )
+    if options.frontend_threads < 1:
+        raise ConfigError(f"--frontend-threads must be >= 1, not {options.frontend_threads}")
     if options.max_shm_regions < 0:
         raise ConfigError(f"--max-shm-regions must be >= 0, not {options.max_shm_regions}")
     if options.load_models and mode is not ModelControlMode.EXPLICIT:
@@ -270,12 +307,25 @@ async def _open_model_control(
     return control
 
 
-async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None:
-    """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
+def _native_chosen(options: ServeOptions) -> bool:
+    """Whether the native front end serves: asked for, or ``auto`` where it is installed and
+    no grpcio option is given (keepalive, connection age: the native one has none yet)."""
+    if options.frontend == "native":
+        if options.grpc_channel_args:
+            _log.warning(
+                "--frontend native ignores the gRPC keepalive and connection flags (%s): "
+                "use --frontend python to have them",
+                ", ".join(name for name, _ in options.grpc_channel_args),
+            )
+        return True
+    if options.frontend == "auto" and options.grpc_channel_args:
+        return False
+    return options.frontend == "auto" and native_available()
+
+
+def _http_api(serving: _Serving) -> HttpApi:
     options = serving.options
-    if options.http_port is None:
-        return None
-    api = HttpApi(
+    return HttpApi(
         serving.server,
         serving.control,
         serving.version,
@@ -284,6 +334,60 @@ async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None
         serving.restrictions[0],
         name=options.server_id,
     )
+
+
+async def _start_native(
+    front_ends: trio.Nursery, serving: _Serving
+) -> tuple[str | None, str | None]:
+    """Start the native front end in ``front_ends``; where HTTP and gRPC listen."""
+    options = serving.options
+    http_address = None if options.http_port is None else (options.http_address, options.http_port)
+    grpc_address = None if options.grpc_port is None else (options.grpc_address, options.grpc_port)
+    service = InferenceService(
+        serving.server,
+        serving.control,
+        DirectCalls(),
+        serving.version,
+        serving.memory,
+        serving.restrictions[1],
+        name=options.server_id,
+    )
+    addresses: tuple[str | None, str | None] = await front_ends.start(
+        functools.partial(
+            serve_native,
+            http=_http_api(serving) if http_address else None,
+            http_address=http_address,
+            grpc_service=service if grpc_address else None,
+            grpc_address=grpc_address,
+            max_body=options.http_max_input_size,
+            body_timeout=options.http_body_timeout,
+            body_min_rate=options.http_body_min_rate,
+            header_timeout=options.http_header_timeout,
+            max_connections=options.http_max_connections or default_max_connections(),
+            max_message_size=options.grpc_max_message_size,
+            cache_tier_size=_cache_tier_size(serving),
+            threads=options.frontend_threads,
+            shutdown=serving.shutdown,
+            exit_timeout=options.exit_timeout,
+        )
+    )
+    return addresses
+
+
+def _cache_tier_size(serving: _Serving) -> int:
+    """The native cache tier's size: none where inference needs a header (the tier keys
+    on the request's bytes, and answers without checking headers)."""
+    if any("inference" in r.rules for r in serving.restrictions):
+        return 0
+    return serving.options.frontend_cache_size
+
+
+async def _start_http(front_ends: trio.Nursery, serving: _Serving) -> str | None:
+    """Start the HTTP front end in ``front_ends``; where it listens (None: disabled)."""
+    options = serving.options
+    if options.http_port is None:
+        return None
+    api = _http_api(serving)
     address: str = await front_ends.start(
         functools.partial(
             serve_http_api,

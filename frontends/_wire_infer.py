@@ -6,18 +6,27 @@ shared memory after. The HTTP and gRPC front ends (streams too) run every reques
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import attrs
 import numpy as np
 
-from .._server import AsyncServer
+from .._server import AsyncServer, CacheTierLink
 from ..protocols import InferResponse, RequestOptions
 from ..protocols._classification import classified
 from ..protocols._kserve_requests import WireRequest
 from ._offload import off_loop
 from ._shared_memory import Lease, SharedMemory
+
+CACHED_MODEL: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "CACHED_MODEL", default=None
+)
+"""Set by `WireInfer.infer`, in the task that asked, to the model name and version whose
+answer it returned when that answer is one the response cache may keep: the model caches
+responses, and the request's bytes say everything it computed from (no shared memory). A
+front end with a cache tier of its own stores the answer's bytes then."""
 
 
 @attrs.define(eq=False)
@@ -26,6 +35,10 @@ class WireInfer:
 
     server: AsyncServer
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
+    _link: CacheTierLink = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._link = self.server.cache_tier_link()
 
     async def infer(self, wire: WireRequest, traceparent: str | None = None) -> InferResponse:
         """The one response to ``wire`` (shared memory outputs written, classes made).
@@ -39,7 +52,10 @@ class WireInfer:
             response = await self.server.infer(
                 wire.model_name, inputs, options=wire.options, traceparent=traceparent
             )
-            return await self._finished(wire, lease, response)
+            finished = await self._finished(wire, lease, response)
+            if lease is None and self._link.caches(response.model_name, response.model_version):
+                CACHED_MODEL.set((response.model_name, response.model_version))
+            return finished
 
     async def stream(
         self, wire: WireRequest, options: RequestOptions

@@ -126,6 +126,11 @@ class CacheStatistics:
     evictions: int | None = None
     used_bytes: int | None = None
     capacity_bytes: int | None = None
+    frontend_hits: int = 0
+    """Hits answered by the native front end's tier (counted in ``hits`` too)."""
+    frontend_entries: int | None = None
+    """Answers the native front end's tier holds (None: no tier)."""
+    frontend_bytes: int | None = None
 
     @property
     def utilization(self) -> float | None:

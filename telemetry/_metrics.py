@@ -202,6 +202,32 @@ class ServerMetrics(Collector):
             ("lookup_seconds_total", "Time in lookups", "counter", cache.lookup_ns / 1e9),
             ("insert_seconds_total", "Time storing responses", "counter", cache.insert_ns / 1e9),
         ]
+        own.append(
+            (
+                "frontend_hits_total",
+                "Hits answered by the native front end's tier (in nv_cache_num_hits too)",
+                "counter",
+                cache.frontend_hits,
+            )
+        )
+        if cache.frontend_entries is not None:
+            own.append(
+                (
+                    "frontend_entries",
+                    "Answers the native front end's tier holds",
+                    "gauge",
+                    cache.frontend_entries,
+                )
+            )
+        if cache.frontend_bytes is not None:
+            own.append(
+                (
+                    "frontend_bytes",
+                    "Bytes the front end's tier holds",
+                    "gauge",
+                    cache.frontend_bytes,
+                )
+            )
         if cache.used_bytes is not None:
             own.append(("used_bytes", "Bytes the stored responses take", "gauge", cache.used_bytes))
         if cache.capacity_bytes is not None:

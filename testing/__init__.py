@@ -27,7 +27,9 @@ from ._builders import step as step
 from ._builders import tensor as tensor
 from ._builders import triton_model as triton_model
 from ._builders import with_fusion as with_fusion
+from ._front_ends import FRONTEND_VARIABLE as FRONTEND_VARIABLE
 from ._front_ends import front_ends as front_ends
+from ._front_ends import frontend_under_test as frontend_under_test
 from ._mixed_load import at_rest as at_rest
 from ._mixed_load import case as case
 from ._mixed_load import check as check

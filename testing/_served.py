@@ -20,6 +20,8 @@ from pathlib import Path
 
 import attrs
 
+from ._front_ends import frontend_under_test
+
 _STARTED = re.compile(r"Started (GRPCInferenceService|HTTPService|Metrics Service) at (\S+)")
 
 
@@ -78,6 +80,8 @@ def serve_command(*flags: str, repository: Path) -> list[str]:
         "0",
         "--metrics-port",
         "0",
+        "--frontend",
+        frontend_under_test(),  # before ``flags``: a test's own choice wins
         *flags,
     ]
 

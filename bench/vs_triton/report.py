@@ -57,6 +57,13 @@ def main() -> None:
     parser.add_argument("--protocols", default="grpc http")
     parser.add_argument("--cache", default="off on")
     parser.add_argument("--concurrency", default="1 4 8")
+    parser.add_argument(
+        "--min-ratio",
+        type=float,
+        default=None,
+        help="exit 1 when a row's throughput ratio (orchestrion / Triton) is below this: "
+        "the regression check (a ratio, since the machines are shared and noisy)",
+    )
     args = parser.parse_args()
     servers = args.servers.split()
     keys = [
@@ -99,9 +106,12 @@ def main() -> None:
         f"{head} {b + ' inf/s':>14} {a + ' inf/s':>17} {'ratio':>6}"
         f" {b + ' p50':>11} {a + ' p50':>15} {b + ' p99':>11} {a + ' p99':>15}"
     )
+    below = []
     for k in keys:
         rb, ra = data[(b, k)], data[(a, k)]
         ratio = ra[0] / rb[0] if ra and rb and rb[0] else None
+        if args.min_ratio is not None and (ratio is None or ratio < args.min_ratio):
+            below.append(f"{k[0]} cache {cache_label(k[1])} c={k[2]}: {fmt(ratio, 2)}")
         both_stable = bool(ra and rb and ra[3] and rb[3])
         print(
             f"{k[0]:<8} {cache_label(k[1]):<5} {k[2]:>4} "
@@ -114,6 +124,9 @@ def main() -> None:
     print("(latencies in µs; cache 'hits': one repeated input with the response cache on)")
     if unstable:
         print(note)
+    if below:
+        print(f"\nbelow the ratio {args.min_ratio:g}: " + "; ".join(below))
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -299,6 +299,7 @@ def test_redis_password_never_appears_in_output_or_answers(tmp_path: Path, sourc
     server.start()
     admin = redis.Redis(host="127.0.0.1", port=server.port, password=secret)
     flags = [f"--cache-config={c}" for c in [*server.cache_config, "redis,retry_interval=100"]]
+    flags.append("--frontend-cache-size=0")  # every request goes to Redis (the outage)
     env: dict[str, str] = {}
     if source == "flag":
         flags.append(f"--cache-config=redis,password={secret}")
@@ -506,7 +507,8 @@ def cached_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Cache
     server.start()
     client = redis.Redis(host="127.0.0.1", port=server.port)
     flags = [f"--cache-config={c}" for c in server.cache_config]
-    served = start_server(*flags, "--log-verbose", "1")
+    # No tier in the front end: each trial's request must reach Redis, whose values change.
+    served = start_server(*flags, "--log-verbose", "1", "--frontend-cache-size=0")
     try:
         state = _CachedPipeline(served, client)
         status, body = post(served.http, "/v2/models/pipeline/infer", pipeline_body(1.0))

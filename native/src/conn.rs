@@ -1,0 +1,348 @@
+//! HTTP connections as the Python front end keeps them: deadlines on request heads, idle
+//! keep-alive connections closed, the connection limit, and silent connections making room.
+//!
+//! How this works: every accepted socket is wrapped in `Watched`, which notes the first byte
+//! (a connection that has sent nothing is *silent*, and sits in `Connections::silent`, oldest
+//! first), when a request head starts arriving, and whether the client speaks HTTP/2. The
+//! service marks a connection busy while it answers (`Busy`). A watchdog beside each HTTP/1
+//! connection sleeps until the connection's deadline: the first head must arrive within
+//! `header_timeout` of the accept, a later one within `header_timeout` of its first byte,
+//! and an idle connection goes after `keep_alive`. A head cut off gets a JSON 408 and a
+//! close; a silent or idle connection is closed without a word. At the connection limit, a
+//! newcomer takes the place of the oldest silent connection; when every connection has
+//! spoken it gets a JSON 503 and a close.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::http::json_error;
+
+/// The deadlines of an HTTP listener's connections.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    pub header_timeout: Duration,
+    pub keep_alive: Duration,
+    pub max_connections: usize,
+}
+
+#[derive(Default)]
+struct Timing {
+    /// When the head now arriving sent its first byte (None: no head under way).
+    head_started: Option<Instant>,
+    /// When the last answer was handed over (None: none yet).
+    last_done: Option<Instant>,
+}
+
+/// One connection, as its watchdog and the limit see it.
+pub struct ConnState {
+    id: u64,
+    fd: RawFd,
+    accepted: Instant,
+    spoke: AtomicBool,
+    http2: AtomicBool,
+    busy: AtomicUsize,
+    evicted: AtomicBool,
+    timing: Mutex<Timing>,
+    changed: Notify,
+}
+
+/// What the watchdog does when a deadline passes.
+pub enum Expiry {
+    /// Close without a word (silent, idle or evicted).
+    Close,
+    /// A head cut off: 408, then close.
+    TooSlow(String),
+}
+
+impl ConnState {
+    fn deadline(&self, limits: &ConnectionLimits) -> Option<Instant> {
+        if self.busy.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let spoke = self.spoke.load(Ordering::Acquire);
+        if spoke && self.http2.load(Ordering::Acquire) {
+            return None; // HTTP/2 keeps its own pings and deadlines
+        }
+        let timing = self.timing.lock().unwrap();
+        Some(match (timing.last_done, timing.head_started) {
+            (None, _) => self.accepted + limits.header_timeout,
+            (Some(_), Some(started)) => started + limits.header_timeout,
+            (Some(done), None) => done + limits.keep_alive,
+        })
+    }
+
+    /// Waits until the connection's deadline passes, and says what to do.
+    pub async fn expired(&self, limits: ConnectionLimits) -> Expiry {
+        loop {
+            if self.evicted.load(Ordering::Acquire) {
+                return Expiry::Close;
+            }
+            match self.deadline(&limits) {
+                None => self.changed.notified().await,
+                Some(deadline) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(deadline) => {
+                            if self.evicted.load(Ordering::Acquire) {
+                                return Expiry::Close;
+                            }
+                            // Still due, with what happened meanwhile counted?
+                            if self.deadline(&limits).is_some_and(|d| d <= Instant::now()) {
+                                let head = self.timing.lock().unwrap().head_started.is_some();
+                                let first = self.timing.lock().unwrap().last_done.is_none();
+                                let spoke = self.spoke.load(Ordering::Acquire);
+                                if head || (first && spoke) {
+                                    return Expiry::TooSlow(format!(
+                                        "the request head did not arrive within {} s \
+                                         (--http-header-timeout)",
+                                        seconds(limits.header_timeout)
+                                    ));
+                                }
+                                return Expiry::Close;
+                            }
+                        }
+                        _ = self.changed.notified() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes a final answer straight to the socket (only while nothing else writes: no
+    /// request is being answered).
+    pub fn send_raw(&self, bytes: &[u8]) {
+        let mut sent = 0;
+        while sent < bytes.len() {
+            // SAFETY: the fd is open for as long as the connection's task holds its stream,
+            // which outlives this call; the slice is live.
+            let n = unsafe {
+                libc::send(
+                    self.fd,
+                    bytes[sent..].as_ptr() as *const libc::c_void,
+                    bytes.len() - sent,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                return; // the client is gone, or not reading: it gets the close
+            }
+            sent += n as usize;
+        }
+    }
+}
+
+impl ConnState {
+    /// A second handle on the socket, to finish a refusal after the HTTP connection is
+    /// dropped (None if the process is out of descriptors).
+    pub fn duplicate(&self) -> Option<TcpStream> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the fd is open (see `send_raw`); dup gives a new descriptor we own.
+        let fd = unsafe { libc::dup(self.fd) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` is a fresh descriptor of a connected TCP socket, owned from here on.
+        let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+        stream.set_nonblocking(true).ok()?;
+        TcpStream::from_std(stream).ok()
+    }
+}
+
+/// Closes a refused connection gracefully: no more writes, then what the client still
+/// sends is read and dropped for a moment (64 KiB, 1 s at most), so that closing with its
+/// bytes unread does not reset the connection before it reads the answer.
+pub async fn linger(mut stream: TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let mut drained = 0;
+        while drained < 64 * 1024 {
+            match stream.read(&mut sink).await {
+                Ok(n) if n > 0 => drained += n,
+                _ => break,
+            }
+        }
+    })
+    .await;
+}
+
+/// A whole-number display of seconds, as Python's ``:g`` shows them.
+pub fn seconds(duration: Duration) -> String {
+    let s = duration.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{}", s as u64)
+    } else {
+        format!("{s}")
+    }
+}
+
+/// A raw HTTP/1.1 answer with a JSON error body, and a close.
+pub fn raw_answer(status: u16, reason: &str, message: &str) -> Vec<u8> {
+    let body = json_error(message);
+    let mut out = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The connections of one listener.
+#[derive(Default)]
+pub struct Connections {
+    next: AtomicU64,
+    pub open: AtomicUsize,
+    silent: Mutex<BTreeMap<u64, Arc<ConnState>>>,
+}
+
+impl Connections {
+    /// A newly accepted connection, silent until its first byte.
+    pub fn admit(self: &Arc<Self>, stream: TcpStream) -> (Watched, Arc<ConnState>) {
+        let state = Arc::new(ConnState {
+            id: self.next.fetch_add(1, Ordering::Relaxed),
+            fd: stream.as_raw_fd(),
+            accepted: Instant::now(),
+            spoke: AtomicBool::new(false),
+            http2: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
+            timing: Mutex::new(Timing::default()),
+            changed: Notify::new(),
+        });
+        self.silent.lock().unwrap().insert(state.id, state.clone());
+        self.open.fetch_add(1, Ordering::AcqRel);
+        let watched = Watched {
+            stream,
+            state: state.clone(),
+            connections: self.clone(),
+        };
+        (watched, state)
+    }
+
+    /// The connection's task has ended.
+    pub fn closed(&self, state: &ConnState) {
+        self.silent.lock().unwrap().remove(&state.id);
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Closes the oldest silent connection for a newcomer; false when every connection has
+    /// spoken.
+    pub fn evict_oldest_silent(&self) -> bool {
+        let oldest = self.silent.lock().unwrap().pop_first();
+        match oldest {
+            Some((_, state)) => {
+                state.evicted.store(true, Ordering::Release);
+                state.changed.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn spoke(&self, state: &ConnState) {
+        self.silent.lock().unwrap().remove(&state.id);
+    }
+}
+
+/// Marks a connection busy while a request on it is being answered.
+pub struct Busy(Arc<ConnState>);
+
+impl Busy {
+    pub fn new(state: Arc<ConnState>) -> Busy {
+        state.busy.fetch_add(1, Ordering::AcqRel);
+        state.timing.lock().unwrap().head_started = None;
+        Busy(state)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.timing.lock().unwrap().last_done = Some(Instant::now());
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+        self.0.changed.notify_one();
+    }
+}
+
+/// A socket that tells its `ConnState` what arrives.
+pub struct Watched {
+    stream: TcpStream,
+    state: Arc<ConnState>,
+    connections: Arc<Connections>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = polled {
+            let arrived = &buf.filled()[before..];
+            if !arrived.is_empty() {
+                let state = &this.state;
+                if !state.spoke.swap(true, Ordering::AcqRel) {
+                    this.connections.spoke(state);
+                    if arrived.starts_with(b"PRI") {
+                        state.http2.store(true, Ordering::Release);
+                    }
+                    state.changed.notify_one();
+                }
+                if state.busy.load(Ordering::Acquire) == 0 {
+                    let mut timing = state.timing.lock().unwrap();
+                    if timing.head_started.is_none() && timing.last_done.is_some() {
+                        timing.head_started = Some(Instant::now());
+                        drop(timing);
+                        state.changed.notify_one();
+                    }
+                }
+            }
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
