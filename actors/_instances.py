@@ -150,6 +150,13 @@ class Instance:
             self.inline = True
 
 
+def _timed(fn: Any, *args: Any) -> tuple[Any, int, int]:
+    """``fn(*args)``, and when it started and ended (``perf_counter_ns``)."""
+    t0 = time.perf_counter_ns()
+    result = fn(*args)
+    return result, t0, time.perf_counter_ns()
+
+
 def starts_inline(mode: ExecutionMode, loaded: LoadedInstance) -> bool:
     """Where an instance starts: unmeasured work might block for long, so it starts in a
     thread (a needless hop costs ~100 µs, a needless stall of the event loop has no bound)
@@ -245,25 +252,28 @@ class Instances:
         Raises:
             InferenceError: the execution as a whole failed (the model named).
         """
-        t0 = time.perf_counter_ns()
         backend = self.backend
         try:
             if backend.capabilities.is_async:
+                t0 = time.perf_counter_ns()
                 raw = await backend.execute_requests_async(instance.loaded, requests)
+                t1 = time.perf_counter_ns()
             elif instance.inline:
                 holder = self.holder
                 outer, holder.runs = holder.runs, self
                 try:
-                    raw = backend.execute_requests(instance.loaded, requests)
+                    raw, t0, t1 = _timed(backend.execute_requests, instance.loaded, requests)
                 finally:
                     holder.runs = outer
             else:
-                raw = await trio.to_thread.run_sync(
-                    backend.execute_requests, instance.loaded, requests
+                # Timed in the thread: the hop to it and back is not the model's time, and
+                # counting it would keep a fast model from ever coming back inline.
+                raw, t0, t1 = await trio.to_thread.run_sync(
+                    _timed, backend.execute_requests, instance.loaded, requests
                 )
         except Exception as exc:
             raise self.error(exc) from exc
-        t1 = time.perf_counter_ns()
+        checking = time.perf_counter_ns()
         outcomes: list[Tensors | InferenceError] = []
         for item in raw:
             if isinstance(item, InferenceError):
@@ -275,7 +285,7 @@ class Instances:
                     outcomes.append(self.checked(item))
                 except InferenceError as exc:
                     outcomes.append(exc)
-        return outcomes, (0, t1 - t0, time.perf_counter_ns() - t1)
+        return outcomes, (0, t1 - t0, time.perf_counter_ns() - checking)
 
     def _finish(self, raw: Any, new_state: Any, work: Work | None, t0: int, t1: int) -> Any:
         """Keep the new state, check the outputs: the outputs and the `Timings`."""

@@ -345,7 +345,9 @@ class ModelRunner:
         batch = sum(batch_size(max_batch, r.inputs) for r in requests)
         queue_ns = sum(started - w.enqueued_ns for w in works)
         elapsed = time.perf_counter_ns() - started
-        self.record(instance, queue_ns, timings, elapsed, batch, False, requests, started)
+        # The execution's own time (timed in its thread) decides inline or thread, as for
+        # any plain-Python model: a short one comes back onto the event loop.
+        self.record(instance, queue_ns, timings, elapsed, batch, True, requests, started)
 
     # -- fast paths ------------------------------------------------------------------------
 

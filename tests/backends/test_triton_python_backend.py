@@ -21,6 +21,7 @@ import orchestrion
 from orchestrion import ConfigError, InferenceError, InferenceTimeoutError
 from orchestrion.actors._instances import SWITCH_WINDOW
 from orchestrion.protocols import (
+    DynamicBatching,
     InstanceGroup,
     InstanceKind,
     ModelTransactionPolicy,
@@ -658,3 +659,62 @@ async def test_a_model_that_never_calls_the_server_comes_inline_and_a_bls_model_
         for _ in range(2 * SWITCH_WINDOW):
             await server.infer("bls", {"MODEL_NAME": name, "INPUT0": A, "INPUT1": B})
         assert not any(i.inline for i in bls.instances)
+
+
+class _Echo:
+    pause = 0.0
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        if self.pause:
+            time.sleep(self.pause)
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+
+
+class _SlowEcho(_Echo):
+    pause = 0.002
+
+
+def _echo(name: str, cls: type) -> Any:
+    return triton_model(
+        name,
+        cls,
+        [tensor("X", dims=(1,))],
+        [tensor("Y", dims=(1,))],
+        max_batch_size=4,
+        dynamic_batching=DynamicBatching(),
+    )
+
+
+async def test_a_dynamically_batched_model_is_judged_by_its_own_time_not_the_hop() -> None:
+    """A python-backend model under dynamic batching (executions handed lists of requests)
+    is timed in its worker thread: the hop there and back (100-300 µs here) is not the
+    model's time, so a short model comes inline after a window of calls, as an unbatched
+    one does."""
+    async with orchestrion.open_server(models=[_echo("echo", _Echo)]) as server:
+        echo = server._registry.resolve("echo")
+        assert not echo.instances[0].inline  # unmeasured: starts in a thread
+        one = np.ones((1, 1), np.float32)
+        for _ in range(25 * SWITCH_WINDOW):  # a busy machine can slow a whole window
+            await server.infer("echo", {"X": one})
+            if echo.instances[0].inline:
+                break
+        assert echo.instances[0].inline
+        for _ in range(SWITCH_WINDOW):
+            out = await server.infer("echo", {"X": one})
+            assert out.outputs["Y"].tolist() == [[1.0]]
+
+
+async def test_a_slow_dynamically_batched_model_stays_in_its_thread() -> None:
+    """A python-backend model under dynamic batching that sleeps 2 ms per execution (a
+    blocking call the event loop must not wait on) stays in a worker thread."""
+    definition = _echo("sleepy_batched", _SlowEcho)
+    async with orchestrion.open_server(models=[definition]) as server:
+        runner = server._registry.resolve("sleepy_batched")
+        for _ in range(3 * SWITCH_WINDOW):
+            await server.infer("sleepy_batched", {"X": np.ones((1, 1), np.float32)})
+        assert not runner.instances[0].inline
