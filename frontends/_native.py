@@ -16,6 +16,7 @@ serve --frontend python`` and a missing build use `_http_server` and `_grpc_serv
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import urllib.parse
@@ -302,7 +303,8 @@ class _NativeStream:
     method: Method
     traceparent: str | None
     stream: Stream = attrs.field(init=False)
-    _arrived: list[bytes] = attrs.field(factory=list)
+    _arrived: collections.deque[bytes] = attrs.field(factory=collections.deque)
+    """Messages handed over and not yet submitted (at most the front end's read-ahead)."""
     _more: trio.Event = attrs.field(factory=trio.Event)
     _ended: bool = False
     _error: str | None = None
@@ -348,8 +350,11 @@ class _NativeStream:
         try:
             while True:
                 while self._arrived:
-                    message = self.method.deserialize(self._arrived.pop(0))
+                    message = self.method.deserialize(self._arrived.popleft())
                     await self.stream.submit(message, self.traceparent)
+                    # Taken up: the front end may read one more (memory stays bounded, and
+                    # a client that sends faster than the stream runs meets flow control).
+                    self.dispatcher.frontend.stream_read(self.id, 1)
                     if self.stream.stopping:
                         self._arrived.clear()
                         break

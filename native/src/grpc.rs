@@ -17,15 +17,18 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{HeaderMap, Request, Response};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::hub::{Event, GrpcReply, Hub, InFlight, Pending, StreamItem};
+use crate::hub::{Event, GrpcReply, Hub, InFlight, Pending, StreamItem, StreamWay};
 
 pub const OK: u32 = 0;
 pub const RESOURCE_EXHAUSTED: u32 = 8;
 pub const UNIMPLEMENTED: u32 = 12;
 pub const INTERNAL: u32 = 13;
 pub const UNAVAILABLE: u32 = 14;
+
+/// Messages of one stream handed to Python and not yet taken up (`Frontend::stream_read`).
+pub const STREAM_READ_AHEAD: usize = 64;
 
 /// The methods of `inference.GRPCInferenceService` whose requests stream.
 const STREAMING: &[&str] = &["ModelStreamInfer"];
@@ -269,7 +272,11 @@ fn open_stream(
     body: Incoming,
 ) -> Response<GrpcBody> {
     let (send, receive) = mpsc::unbounded_channel();
-    let flight = hub.register(Pending::Stream(send));
+    let reading = Arc::new(Semaphore::new(STREAM_READ_AHEAD));
+    let flight = hub.register(Pending::Stream(StreamWay {
+        responses: send,
+        reading: reading.clone(),
+    }));
     let id = flight.id;
     hub.push(Event::StreamOpen {
         id,
@@ -286,6 +293,12 @@ fn open_stream(
             match next_message(&mut buffer, max_message) {
                 Err((_, text)) => break Some(text),
                 Ok(Some(message)) => {
+                    // Read no further ahead of Python than STREAM_READ_AHEAD messages: the
+                    // client then meets HTTP/2 flow control, and memory stays bounded.
+                    match reading.acquire().await {
+                        Ok(permit) => permit.forget(),
+                        Err(_) => return, // answered or gone: nothing more to hand over
+                    }
                     hub.push(Event::StreamMessage { id, message });
                     continue;
                 }

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use hyper::HeaderMap;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 
 use crate::cache::Tier;
 
@@ -93,7 +93,21 @@ pub enum Pending {
     /// The answer's channel, and the request's key in the cache's first tier (if any).
     Http(oneshot::Sender<HttpReply>, Option<Bytes>),
     Unary(oneshot::Sender<GrpcReply>, Option<Bytes>),
-    Stream(mpsc::UnboundedSender<StreamItem>),
+    Stream(StreamWay),
+}
+
+/// An open stream, as the trio thread reaches it: where its responses go, and the permits
+/// of its reader (one per message handed over and not yet taken up by Python).
+pub struct StreamWay {
+    pub responses: mpsc::UnboundedSender<StreamItem>,
+    pub reading: Arc<Semaphore>,
+}
+
+impl Drop for StreamWay {
+    fn drop(&mut self) {
+        // The stream is answered or gone: its reader stops waiting for permits.
+        self.reading.close();
+    }
 }
 
 pub struct Hub {

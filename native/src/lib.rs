@@ -374,15 +374,26 @@ impl Frontend {
         let message = joined(message)?;
         let pending = self.hub.pending.lock().unwrap();
         Ok(match pending.get(&id) {
-            Some(Pending::Stream(send)) => send.send(StreamItem::Message(message)).is_ok(),
+            Some(Pending::Stream(way)) => way.responses.send(StreamItem::Message(message)).is_ok(),
             _ => false,
         })
+    }
+
+    /// Python has taken up ``count`` more messages of stream ``id``: its reader may hand
+    /// over that many more.
+    fn stream_read(&self, id: u64, count: usize) {
+        if let Some(Pending::Stream(way)) = self.hub.pending.lock().unwrap().get(&id) {
+            way.reading.add_permits(count);
+        }
     }
 
     /// End stream ``id`` with a status. False when the client has gone.
     fn stream_close(&self, id: u64, code: u32, message: String) -> bool {
         match self.hub.remove(id) {
-            Some(Pending::Stream(send)) => send.send(StreamItem::End { code, message }).is_ok(),
+            Some(Pending::Stream(way)) => way
+                .responses
+                .send(StreamItem::End { code, message })
+                .is_ok(),
             Some(other) => {
                 self.hub.pending.lock().unwrap().insert(id, other);
                 false
