@@ -190,22 +190,24 @@ class _Dispatcher:
         if self.http is None:  # pragma: no cover - the front end listens for HTTP only with one
             self.frontend.respond(id_, 404, [], b"")
             return
+        self._start(id_, self._answer_http, method, target, headers, body)
+
+    async def _answer_http(
+        self, id_: int, method: str, target: str, headers: list[tuple[bytes, bytes]], body: Any
+    ) -> None:
+        assert self.http is not None
+        generation = self.tier.generation() if self.tier is not None else 0
         request = HttpRequest(
             method=method,
             path=urllib.parse.unquote(target.split("?", 1)[0]),
             headers=dict(headers),
-            body=body,
+            body=await _bytes(body),
         )
-        self._start(id_, self._answer_http, request)
-
-    async def _answer_http(self, id_: int, request: HttpRequest) -> None:
-        assert self.http is not None
-        generation = self.tier.generation() if self.tier is not None else 0
-        status, headers, chunks = await self.http.handle(request)
+        status, answer_headers, chunks = await self.http.handle(request)
         cache = None
         if self.tier is not None and status == 200:
             cache = self.tier.storing(generation)
-        self.frontend.respond(id_, status, headers, chunks, cache)
+        await _handed_back(self.frontend.respond, id_, status, answer_headers, chunks, cache)
 
     # gRPC, unary
 
@@ -225,6 +227,7 @@ class _Dispatcher:
         context = _Context(_metadata(headers))
         generation = self.tier.generation() if self.tier is not None else 0
         try:
+            message = await _bytes(message)
             response = await method.behaviour(method.deserialize(message), context)
             body = method.serialize(response)
         except _Aborted as aborted:
@@ -237,7 +240,7 @@ class _Dispatcher:
             self.frontend.reply(id_, code, error_message(exc))
             return
         cache = self.tier.storing(generation) if self.tier is not None else None
-        self.frontend.reply(id_, 0, "", body, cache)
+        await _handed_back(self.frontend.reply, id_, 0, "", body, cache)
 
     # gRPC, streams
 
@@ -277,6 +280,35 @@ class _Dispatcher:
         """A graceful stop of every open stream (see `InferenceService.stop_streams`)."""
         if self.service is not None:
             self.service.stop_streams()
+
+
+_LARGE = 1024 * 1024
+"""Bodies larger than this cross between the front end and Python in a worker thread: the
+copy of tens of MiB (whose fresh pages a VM backs slowly) must not hold the event loop."""
+
+
+async def _bytes(data: Any) -> bytes:
+    """A request's body or message as bytes: a large one (the front end's ``Body``) is
+    copied out in a worker thread."""
+    if isinstance(data, bytes):
+        return data
+    taken: bytes = await trio.to_thread.run_sync(data.take)
+    return taken
+
+
+async def _handed_back(hand: Callable[..., Any], *args: Any) -> None:
+    """``hand(*args)``: an answer handed to the front end, in a worker thread when large."""
+    answer = args[3]  # respond's chunks, reply's message
+    if answer is None:
+        size = 0
+    elif isinstance(answer, bytes | bytearray | memoryview):
+        size = memoryview(answer).nbytes
+    else:
+        size = sum(memoryview(chunk).nbytes for chunk in answer)
+    if size > _LARGE:
+        await trio.to_thread.run_sync(hand, *args)
+    else:
+        hand(*args)
 
 
 def _header_of(metadata: list[tuple[str, str]]) -> Callable[[str], str | None]:

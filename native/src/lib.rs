@@ -97,21 +97,99 @@ fn header_list<'py>(py: Python<'py>, headers: &hyper::HeaderMap) -> PyResult<Bou
     Ok(list)
 }
 
-fn joined(chunks: &Bound<'_, PyAny>) -> PyResult<Bytes> {
-    if let Ok(bytes) = chunks.downcast::<PyBytes>() {
-        return Ok(Bytes::copy_from_slice(bytes.as_bytes()));
-    }
-    let mut out = BytesMut::new();
-    for chunk in chunks.try_iter()? {
-        let chunk = chunk?;
+/// A region of a Python buffer, read without the GIL while its owner is kept alive.
+struct Region(*const u8, usize);
+
+// SAFETY: the regions point into bytes objects and buffer views that `joined` keeps alive
+// (and so unmoved) until the copy is done; nothing writes them meanwhile.
+unsafe impl Send for Region {}
+
+/// The bytes of ``chunks`` (bytes, or an iterable of buffers), joined. The copy runs with the
+/// GIL released: a large answer (tens of MiB, first-touch pages on a VM) holds no other
+/// thread up, and `respond` on a worker thread holds no event loop up.
+fn joined<'py>(chunks: &Bound<'py, PyAny>) -> PyResult<Bytes> {
+    let py = chunks.py();
+    let mut keep: Vec<Bound<'py, PyAny>> = Vec::new();
+    let mut views: Vec<PyBuffer<u8>> = Vec::new();
+    let mut regions: Vec<Region> = Vec::new();
+    let mut add = |chunk: Bound<'py, PyAny>| -> PyResult<()> {
         if let Ok(bytes) = chunk.downcast::<PyBytes>() {
-            out.extend_from_slice(bytes.as_bytes());
+            let data = bytes.as_bytes();
+            regions.push(Region(data.as_ptr(), data.len()));
+            keep.push(chunk);
         } else {
-            let buffer = PyBuffer::<u8>::get(&chunk)?;
-            out.extend_from_slice(&buffer.to_vec(chunk.py())?);
+            let view = PyBuffer::<u8>::get(&chunk)?;
+            if !view.is_c_contiguous() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "an answer's buffers must be contiguous",
+                ));
+            }
+            regions.push(Region(view.buf_ptr() as *const u8, view.len_bytes()));
+            views.push(view);
+        }
+        Ok(())
+    };
+    if chunks.downcast::<PyBytes>().is_ok() {
+        add(chunks.clone())?;
+    } else {
+        for chunk in chunks.try_iter()? {
+            add(chunk?)?;
         }
     }
-    Ok(out.freeze())
+    let total: usize = regions.iter().map(|r| r.1).sum();
+    let out = py.allow_threads(move || {
+        let mut out = BytesMut::with_capacity(total);
+        for Region(start, length) in regions {
+            // SAFETY: see `Region`: live, unmoved, unwritten until this returns.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(start, length) });
+        }
+        out.freeze()
+    });
+    drop(views);
+    drop(keep);
+    Ok(out)
+}
+
+/// Requests larger than this reach Python as a `Body` to take in a worker thread, not as
+/// bytes made on the event loop's thread.
+const LARGE: usize = 1024 * 1024;
+
+/// A large request body or message, handed over without a copy; `take` makes the bytes.
+#[pyclass(module = "orchestrion_native._native")]
+struct Body {
+    data: Mutex<Option<Bytes>>,
+}
+
+#[pymethods]
+impl Body {
+    /// The bytes (once), copied with the GIL released: call it in a worker thread.
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self
+            .data
+            .lock()
+            .unwrap()
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the body was taken already"))?;
+        PyBytes::new_with(py, data.len(), |target| {
+            py.allow_threads(|| target.copy_from_slice(&data));
+            Ok(())
+        })
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.lock().unwrap().as_ref().map_or(0, Bytes::len)
+    }
+}
+
+/// ``data`` as Python sees it: bytes, or a `Body` when large.
+fn handed<'py>(py: Python<'py>, data: Bytes) -> PyResult<Bound<'py, PyAny>> {
+    if data.len() > LARGE {
+        let body = Body {
+            data: Mutex::new(Some(data)),
+        };
+        return Ok(Bound::new(py, body)?.into_any());
+    }
+    Ok(PyBytes::new(py, &data).into_any())
 }
 
 #[pymethods]
@@ -232,8 +310,7 @@ impl Frontend {
                     body,
                 } => {
                     let headers = header_list(py, &headers)?;
-                    (HTTP, id, method, target, headers, PyBytes::new(py, &body))
-                        .into_pyobject(py)?
+                    (HTTP, id, method, target, headers, handed(py, body)?).into_pyobject(py)?
                 }
                 Event::Unary {
                     id,
@@ -242,7 +319,7 @@ impl Frontend {
                     message,
                 } => {
                     let headers = header_list(py, &headers)?;
-                    (UNARY, id, method, headers, PyBytes::new(py, &message)).into_pyobject(py)?
+                    (UNARY, id, method, headers, handed(py, message)?).into_pyobject(py)?
                 }
                 Event::StreamOpen {
                     id,
@@ -656,6 +733,7 @@ async fn accept_grpc(
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<Frontend>()?;
+    module.add_class::<Body>()?;
     module.add("HTTP", HTTP)?;
     module.add("UNARY", UNARY)?;
     module.add("STREAM_OPEN", STREAM_OPEN)?;
