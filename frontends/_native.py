@@ -90,20 +90,19 @@ def _metadata(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     ]
 
 
-_ACCEPT_FAILED = 2
-
-
 def _troubles() -> dict[int, _Episode]:
     """The log lines of the front end's troubles, by the kind the native side reports (one
     line per episode, in the Python front end's words)."""
     return {
-        0: _Episode("HTTP clients too slow: a request head or body cut off, 408"),
-        1: _Episode(
+        _native.TROUBLE_SLOW: _Episode(
+            "HTTP clients too slow: a request head or body cut off, 408"
+        ),
+        _native.TROUBLE_EVICTED: _Episode(
             "HTTP connection limit reached: connections that sent nothing closed, oldest "
             "first, to serve new ones"
         ),
-        _ACCEPT_FAILED: _Episode("cannot accept HTTP connections (retrying every 0.1 s)"),
-        3: _Episode(
+        _native.TROUBLE_ACCEPT: _Episode("cannot accept HTTP connections (retrying every 0.1 s)"),
+        _native.TROUBLE_TURNED_AWAY: _Episode(
             "HTTP connection limit reached: new connections get 503 while it is "
             "(--http-max-connections)"
         ),
@@ -173,9 +172,6 @@ class _Dispatcher:
 
     def _on_trouble(self, event: tuple[Any, ...]) -> None:
         _, kind, detail = event
-        if kind == _ACCEPT_FAILED:
-            name, _, text = detail.partition("\t")
-            detail = f"{name} ({text})"
         self._troubles[kind].happened(detail)
 
     def _on_cancel(self, event: tuple[Any, ...]) -> None:

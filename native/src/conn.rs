@@ -98,8 +98,10 @@ impl ConnState {
                             }
                             // Still due, with what happened meanwhile counted?
                             if self.deadline(&limits).is_some_and(|d| d <= Instant::now()) {
-                                let head = self.timing.lock().unwrap().head_started.is_some();
-                                let first = self.timing.lock().unwrap().last_done.is_none();
+                                let (head, first) = {
+                                    let timing = self.timing.lock().unwrap();
+                                    (timing.head_started.is_some(), timing.last_done.is_none())
+                                };
                                 let spoke = self.spoke.load(Ordering::Acquire);
                                 if head || (first && spoke) {
                                     return Expiry::TooSlow(format!(

@@ -110,9 +110,6 @@ impl Body for GrpcBody {
                 }
                 Poll::Ready(Some(StreamItem::End { code, message })) => {
                     this.done = true;
-                    if let Some(flight) = this._flight.as_mut() {
-                        flight.answered();
-                    }
                     Poll::Ready(Some(Ok(Frame::trailers(trailers(code, &message)))))
                 }
                 Poll::Ready(None) => {
@@ -238,7 +235,7 @@ pub async fn serve_call(
         }
     }
     let (send, receive) = oneshot::channel();
-    let mut flight = hub.register(Pending::Unary(send, key));
+    let flight = hub.register(Pending::Unary(send, key));
     hub.push(Event::Unary {
         id: flight.id,
         method,
@@ -250,7 +247,6 @@ pub async fn serve_call(
         message: "the server is shutting down".to_owned(),
         body: None,
     });
-    flight.answered();
     let status = if reply.code == OK && reply.body.is_some() {
         None
     } else {

@@ -170,7 +170,7 @@ pub async fn serve_request(
         }
     }
     let (send, receive) = oneshot::channel();
-    let mut flight = hub.register(Pending::Http(send, key));
+    let flight = hub.register(Pending::Http(send, key));
     hub.push(Event::Http {
         id: flight.id,
         method: parts.method.as_str().to_owned(),
@@ -187,7 +187,6 @@ pub async fn serve_request(
             body: json_error("the server is shutting down"),
         },
     };
-    flight.answered();
     Ok(answer(reply.status, &reply.headers, reply.body))
 }
 

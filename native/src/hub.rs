@@ -11,12 +11,12 @@
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use hyper::HeaderMap;
-use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::cache::Tier;
 
@@ -115,10 +115,6 @@ pub struct Hub {
     wake_fd: RawFd,
     pub pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
-    /// Requests and streams a client is waiting on (for a graceful stop).
-    pub in_flight: AtomicUsize,
-    /// Signalled when `in_flight` falls to 0.
-    pub drained: Notify,
     /// The response cache's first tier.
     pub tier: Tier,
 }
@@ -135,8 +131,6 @@ impl Hub {
             wake_fd: fd,
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
-            in_flight: AtomicUsize::new(0),
-            drained: Notify::new(),
             tier: Tier::default(),
         }))
     }
@@ -182,16 +176,25 @@ impl Hub {
     pub fn register(self: &Arc<Self>, pending: Pending) -> InFlight {
         let id = self.next_id();
         self.pending.lock().unwrap().insert(id, pending);
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight {
             hub: self.clone(),
             id,
-            answered: false,
         }
     }
 
     pub fn remove(&self, id: u64) -> Option<Pending> {
         self.pending.lock().unwrap().remove(&id)
+    }
+
+    /// Removes the way back to ``id`` if it is of the kind ``wanted`` accepts (an answer of
+    /// the wrong kind leaves it waiting).
+    pub fn remove_if(&self, id: u64, wanted: fn(&Pending) -> bool) -> Option<Pending> {
+        let mut pending = self.pending.lock().unwrap();
+        if pending.get(&id).is_some_and(wanted) {
+            pending.remove(&id)
+        } else {
+            None
+        }
     }
 }
 
@@ -204,28 +207,18 @@ impl Drop for Hub {
     }
 }
 
-/// A request a client waits on; dropped unanswered (the client went away, or the server
-/// stops), it leaves the table and tells the trio thread to cancel the work.
+/// A request a client waits on. Dropped while its way back is still in the table (the
+/// client went away before Python answered), it leaves the table and tells the trio thread
+/// to cancel the work; once answered, Python has already taken it out.
 pub struct InFlight {
     hub: Arc<Hub>,
     pub id: u64,
-    answered: bool,
-}
-
-impl InFlight {
-    /// The answer arrived (or the stream ended): nothing to cancel.
-    pub fn answered(&mut self) {
-        self.answered = true;
-    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if self.hub.remove(self.id).is_some() && !self.answered {
+        if self.hub.remove(self.id).is_some() {
             self.hub.push(Event::Cancel { id: self.id });
-        }
-        if self.hub.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.hub.drained.notify_waiters();
         }
     }
 }

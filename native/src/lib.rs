@@ -14,7 +14,7 @@ mod http;
 mod hub;
 
 use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,7 +61,6 @@ struct Frontend {
     graceful: Arc<Mutex<Option<GracefulShutdown>>>,
     /// Set once every connection has closed after `stop_accepting`.
     closed: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
-    connections: Arc<AtomicUsize>,
     http_connections: Arc<Connections>,
 }
 
@@ -211,7 +210,6 @@ impl Frontend {
             stopping,
             graceful: Arc::new(Mutex::new(Some(GracefulShutdown::new()))),
             closed: Mutex::new(None),
-            connections: Arc::new(AtomicUsize::new(0)),
             http_connections: Arc::new(Connections::default()),
         })
     }
@@ -220,19 +218,6 @@ impl Frontend {
     #[getter]
     fn wake_fd(&self) -> i32 {
         self.hub.wake_fd()
-    }
-
-    /// Requests and streams that clients are waiting on.
-    #[getter]
-    fn in_flight(&self) -> usize {
-        self.hub.in_flight.load(Ordering::Acquire)
-    }
-
-    /// Open connections (HTTP and gRPC).
-    #[getter]
-    fn connections(&self) -> usize {
-        self.connections.load(Ordering::Acquire)
-            + self.http_connections.open.load(Ordering::Acquire)
     }
 
     /// Serve HTTP/1.1 and HTTP/2 (cleartext) on ``host:port``; returns the bound port.
@@ -286,7 +271,6 @@ impl Frontend {
             self.graceful.clone(),
             self.stopping.subscribe(),
             max_message,
-            self.connections.clone(),
         ));
         Ok(local)
     }
@@ -354,30 +338,28 @@ impl Frontend {
         cache: Option<(u32, u64)>,
     ) -> PyResult<bool> {
         let body = joined(body)?;
-        Ok(match self.hub.remove(id) {
-            Some(Pending::Http(send, key)) => {
-                if let (Some(key), Some((tag, generation)), 200) = (key, cache, status) {
-                    let stored = Stored {
-                        tag,
+        Ok(
+            match self.hub.remove_if(id, |p| matches!(p, Pending::Http(..))) {
+                Some(Pending::Http(send, key)) => {
+                    if let (Some(key), Some((tag, generation)), 200) = (key, cache, status) {
+                        let stored = Stored {
+                            tag,
+                            status,
+                            headers: headers.clone(),
+                            body: body.clone(),
+                        };
+                        self.hub.tier.store(key, stored, generation);
+                    }
+                    send.send(HttpReply {
                         status,
-                        headers: headers.clone(),
-                        body: body.clone(),
-                    };
-                    self.hub.tier.store(key, stored, generation);
+                        headers,
+                        body,
+                    })
+                    .is_ok()
                 }
-                send.send(HttpReply {
-                    status,
-                    headers,
-                    body,
-                })
-                .is_ok()
-            }
-            Some(other) => {
-                self.hub.pending.lock().unwrap().insert(id, other);
-                false
-            }
-            None => false,
-        })
+                _ => false,
+            },
+        )
     }
 
     /// Answer unary gRPC call ``id``: a serialized message (status OK), or a status code and
@@ -392,32 +374,30 @@ impl Frontend {
         cache: Option<(u32, u64)>,
     ) -> PyResult<bool> {
         let body = body.map(joined).transpose()?;
-        Ok(match self.hub.remove(id) {
-            Some(Pending::Unary(send, key)) => {
-                if let (Some(key), Some((tag, generation)), Some(body), 0) =
-                    (key, cache, &body, code)
-                {
-                    let stored = Stored {
-                        tag,
-                        status: 200,
-                        headers: Vec::new(),
-                        body: body.clone(),
-                    };
-                    self.hub.tier.store(key, stored, generation);
+        Ok(
+            match self.hub.remove_if(id, |p| matches!(p, Pending::Unary(..))) {
+                Some(Pending::Unary(send, key)) => {
+                    if let (Some(key), Some((tag, generation)), Some(body), 0) =
+                        (key, cache, &body, code)
+                    {
+                        let stored = Stored {
+                            tag,
+                            status: 200,
+                            headers: Vec::new(),
+                            body: body.clone(),
+                        };
+                        self.hub.tier.store(key, stored, generation);
+                    }
+                    send.send(GrpcReply {
+                        code,
+                        message,
+                        body,
+                    })
+                    .is_ok()
                 }
-                send.send(GrpcReply {
-                    code,
-                    message,
-                    body,
-                })
-                .is_ok()
-            }
-            Some(other) => {
-                self.hub.pending.lock().unwrap().insert(id, other);
-                false
-            }
-            None => false,
-        })
+                _ => false,
+            },
+        )
     }
 
     /// Turn the cache's first tier on with ``capacity`` bytes (0: off), empty, for the
@@ -466,16 +446,12 @@ impl Frontend {
 
     /// End stream ``id`` with a status. False when the client has gone.
     fn stream_close(&self, id: u64, code: u32, message: String) -> bool {
-        match self.hub.remove(id) {
+        match self.hub.remove_if(id, |p| matches!(p, Pending::Stream(..))) {
             Some(Pending::Stream(way)) => way
                 .responses
                 .send(StreamItem::End { code, message })
                 .is_ok(),
-            Some(other) => {
-                self.hub.pending.lock().unwrap().insert(id, other);
-                false
-            }
-            None => false,
+            _ => false,
         }
     }
 
@@ -546,7 +522,8 @@ fn out_of_capacity(error: &std::io::Error) -> bool {
     )
 }
 
-fn errno_name(error: &std::io::Error) -> String {
+/// An accept failure as the log names it: ``EMFILE (Too many open files)``.
+fn described(error: &std::io::Error) -> String {
     let name = match error.raw_os_error() {
         Some(libc::EMFILE) => "EMFILE",
         Some(libc::ENFILE) => "ENFILE",
@@ -556,7 +533,7 @@ fn errno_name(error: &std::io::Error) -> String {
     };
     let text = error.to_string();
     let text = text.split(" (os error").next().unwrap_or(&text).to_owned();
-    format!("{name}\t{text}")
+    format!("{name} ({text})")
 }
 
 /// The next connection of ``listener``, or None once the front end stops. Capacity errors
@@ -580,7 +557,7 @@ async fn next_connection(
                 if out_of_capacity(&error) {
                     hub.push(Event::Trouble {
                         kind: Trouble::Accept,
-                        detail: errno_name(&error),
+                        detail: described(&error),
                     });
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -700,7 +677,6 @@ async fn accept_grpc(
     graceful: Arc<Mutex<Option<GracefulShutdown>>>,
     mut stopping: watch::Receiver<bool>,
     max_message: usize,
-    connections: Arc<AtomicUsize>,
 ) {
     while let Some(stream) = next_connection(&listener, &mut stopping, &hub).await {
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
@@ -721,11 +697,8 @@ async fn accept_grpc(
             };
             graceful.watch(connection)
         };
-        let connections = connections.clone();
-        connections.fetch_add(1, Ordering::AcqRel);
         tokio::spawn(async move {
             let _ = connection.await;
-            connections.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
@@ -742,5 +715,9 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("CANCEL", CANCEL)?;
     module.add("CREDIT", CREDIT)?;
     module.add("TROUBLE", TROUBLE)?;
+    module.add("TROUBLE_SLOW", Trouble::Slow as u8)?;
+    module.add("TROUBLE_EVICTED", Trouble::Evicted as u8)?;
+    module.add("TROUBLE_ACCEPT", Trouble::Accept as u8)?;
+    module.add("TROUBLE_TURNED_AWAY", Trouble::TurnedAway as u8)?;
     Ok(())
 }

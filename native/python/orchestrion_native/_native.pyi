@@ -8,15 +8,15 @@ STREAM_END: int
 CANCEL: int
 CREDIT: int
 TROUBLE: int
+TROUBLE_SLOW: int
+TROUBLE_EVICTED: int
+TROUBLE_ACCEPT: int
+TROUBLE_TURNED_AWAY: int
 
 class Frontend:
     def __init__(self, threads: int = 2) -> None: ...
     @property
     def wake_fd(self) -> int: ...
-    @property
-    def in_flight(self) -> int: ...
-    @property
-    def connections(self) -> int: ...
     def listen_http(
         self,
         host: str,
