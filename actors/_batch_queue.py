@@ -19,7 +19,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import jax
@@ -348,3 +348,30 @@ def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]
         parts.append({name: take_rows(a, start, start + count) for name, a in views.items()})
         start += count
     return parts
+
+
+class Gathered(Protocol):
+    """A request gathered into a batched fused call: its inputs and their rows."""
+
+    @property
+    def inputs(self) -> Tensors: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+W = TypeVar("W", bound=Gathered)
+
+
+def gathered_batches(taken: list[W], max_batch: int, max_requests: int) -> list[list[W]]:
+    """Requests that agree on names, dtypes and per-row shapes, at most ``max_batch`` rows
+    (and at most ``max_requests`` requests, 0: any number) each, in their order."""
+    groups: dict[tuple[Any, ...], list[list[W]]] = {}
+    for waiting in taken:
+        key = tuple(sorted((n, v.dtype.str, v.shape[1:]) for n, v in waiting.inputs.items()))
+        chunks = groups.setdefault(key, [[]])
+        full = max_requests and len(chunks[-1]) >= max_requests
+        if full or sum(w.rows for w in chunks[-1]) + waiting.rows > max_batch:
+            chunks.append([])
+        chunks[-1].append(waiting)
+    return [chunk for chunks in groups.values() for chunk in chunks]

@@ -1,7 +1,8 @@
 """One loaded ensemble: a small composition of its scheduler, its fusion gate and its streams.
 
 How this works. `EnsembleRunner.infer` first asks the `FusionGate` whether the request can
-run as the ensemble's fused call (`Fusion`: every step in one plain loop, no actors); if not,
+run as the ensemble's fused call (`Fusion`: jitted steps in one plain loop, no actors;
+`ListedFusion`: python-backend steps, one ``execute`` each for a pass's requests); if not,
 the request is counted in the gate's current epoch (fusable requests wait for those rather
 than join them) and runs through the `Scheduler`'s step actors, one per step, connected by
 bounded channels. `EnsembleRunner.stream` (an ensemble with a decoupled step) runs the steps
@@ -48,6 +49,7 @@ from ._ensemble_plans import Plan, Plans
 from ._ensemble_scheduler import Router, Scheduler, Step
 from ._ensemble_streams import EnsembleStreams
 from ._fusion import Fusion
+from ._listed_fusion import ListedFusion
 from ._stats import StatsRecorder
 
 _log = logging.getLogger("orchestrion")
@@ -92,7 +94,12 @@ class EnsembleRunner:
         everything = self._plans.plan(frozenset(self.graph.outputs))
         order = tuple(self.graph.steps[i] for i in self._plans.order(everything))
         self._gate = FusionGate(
-            self.config, self.router, self._scheduler, order, observed=self.observer is not None
+            self.config,
+            self.router,
+            self._scheduler,
+            order,
+            observed=self.observer is not None,
+            step_outputs=everything.step_outputs,
         )
         self._streams = EnsembleStreams(self._scheduler)
 
@@ -102,7 +109,7 @@ class EnsembleRunner:
         return self._scheduler.steps
 
     @property
-    def _fusion(self) -> Fusion | None:
+    def _fusion(self) -> Fusion | ListedFusion | None:
         """The fused call last built for the composing models (tests and benchmarks look)."""
         return self._gate.fusion
 

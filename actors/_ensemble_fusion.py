@@ -1,4 +1,5 @@
-"""When an ensemble's request runs fused (`Fusion`), and when it takes the scheduler's path.
+"""When an ensemble's request runs fused (`Fusion` for jitted steps, `ListedFusion` for
+python-backend ones), and when it takes the scheduler's path.
 
 How this works. `FusionGate.fused` answers a request with the ensemble's fused call when it
 can, and with None otherwise (the caller then runs the request through the `Scheduler`). A
@@ -23,6 +24,7 @@ path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import attrs
@@ -34,25 +36,32 @@ from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, T
 from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
 from ._fusion import Fusion, SignatureState
+from ._listed_fusion import ListedFusion, listed
 from ._runner import ModelRunner, batch_size
 
 
 def fusable(runner: object, max_batch_size: int) -> bool:
-    """Whether ``runner`` can be a step of an ensemble's fused call."""
+    """Whether ``runner`` can be a step of an ensemble's fused call: of a `Fusion` (a
+    jitted model) or of a `ListedFusion` (a python-backend model)."""
     if not isinstance(runner, ModelRunner):
         return False
     capabilities = runner.capabilities
-    return (
-        capabilities.traceable
-        and not capabilities.stateful
+    if not (
+        not capabilities.stateful
         and not capabilities.is_async
         and not capabilities.streaming
-        and not capabilities.takes_request
         and _batching_fusable(runner)
         and all(t.reshape is None for t in runner.config.input)
         and runner.observer is None
         and runner.tracing is None
         and runner.config.max_batch_size == max_batch_size
+    ):
+        return False
+    if listed(runner):
+        return True
+    return (
+        capabilities.traceable
+        and not capabilities.takes_request
         and all(i.device == jax.devices()[0] for i in runner.instances)
     )
 
@@ -92,7 +101,9 @@ class FusionGate:
     """Every step, each after the steps it needs: the order of the fused call."""
     observed: bool
     """An observer listens: nothing is fused (it must see every step)."""
-    fusion: Fusion | None = None
+    step_outputs: Mapping[int, frozenset[str]]
+    """Each step's outputs that someone consumes, when every output is requested."""
+    fusion: Fusion | ListedFusion | None = None
     """The fusion for the composing models last checked; None: none (yet, or possible)."""
     nursery: trio.Nursery | None = None
     """Where new signatures compile (the ensemble's own); None until it serves."""
@@ -160,6 +171,8 @@ class FusionGate:
             fusion = self.current()
             if fusion is None or fusion.slow or not fusion.idle() or not self._steps_free():
                 return None
+        if isinstance(fusion, ListedFusion):
+            return await fusion.run(request, lambda: self._still_fusing(fusion))
         rows = batch_size(self.config.max_batch_size, inputs)
         if fusion.gathers:
             gathered = await fusion.gather(
@@ -175,7 +188,7 @@ class FusionGate:
         await trio.lowlevel.checkpoint()  # a result past the request's deadline is cancelled
         return outputs
 
-    def current(self) -> Fusion | None:
+    def current(self) -> Fusion | ListedFusion | None:
         """The fusion for the composing models loaded now (built when they changed), or None
         when they cannot be fused."""
         generation = self.router.generation
@@ -195,6 +208,22 @@ class FusionGate:
             return None
         composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
         scheduler = self.scheduler
+        limit = scheduler.steps[0].capacity if scheduler.limited else 0
+        python = [listed(r) for r in composing]
+        if any(python):  # python-backend steps: all of them, or no fusion
+            self.fusion = None
+            if all(python):
+                self.fusion = ListedFusion(
+                    self.config.name,
+                    self.order,
+                    composing,
+                    tuple(scheduler.graph.outputs),
+                    scheduler.graph,
+                    self.step_outputs,
+                    max_batch=mbs,
+                    max_requests=limit,
+                )
+            return self.fusion
         self.fusion = Fusion(
             self.config.name,
             self.order,
@@ -202,11 +231,11 @@ class FusionGate:
             tuple(scheduler.graph.outputs),
             mode=self._mode,
             max_batch=mbs,
-            max_requests=scheduler.steps[0].capacity if scheduler.limited else 0,
+            max_requests=limit,
         )
         return self.fusion
 
-    def _still_fusing(self, fusion: Fusion) -> bool:
+    def _still_fusing(self, fusion: Fusion | ListedFusion) -> bool:
         """After a wait: no composing model reloaded, nothing queued, no step busy beyond
         what max_inflight_requests allows. (An unload that began meanwhile still lets this
         admitted request finish, fused or not.)"""
@@ -223,7 +252,9 @@ class FusionGate:
         """Prepare a new signature of the current fusion in a task of the ensemble's own;
         the requests meanwhile take the scheduler's path."""
         fusion, nursery = self.fusion, self.nursery
-        if fusion is None or nursery is None or fusion.state(signature) is not SignatureState.NEW:
+        if not isinstance(fusion, Fusion) or nursery is None:
+            return
+        if fusion.state(signature) is not SignatureState.NEW:
             return
         fusion.compiling(signature)
         try:

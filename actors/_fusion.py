@@ -51,7 +51,13 @@ import trio
 
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
-from ._batch_queue import concatenate, repeat_last_row, rows_view, take_rows
+from ._batch_queue import (
+    concatenate,
+    gathered_batches,
+    repeat_last_row,
+    rows_view,
+    take_rows,
+)
 from ._definition import FusionMode
 from ._instances import THREAD_ABOVE_NS
 from ._runner import ModelRunner
@@ -459,17 +465,7 @@ class Fusion:
         return me.outputs
 
     def _batches(self, taken: list[_Waiting]) -> list[list[_Waiting]]:
-        """Requests that agree on names, dtypes and per-row shapes, at most max_batch rows
-        (and at most max_requests requests) each."""
-        groups: dict[tuple[Any, ...], list[list[_Waiting]]] = {}
-        for waiting in taken:
-            key = tuple(sorted((n, v.dtype.str, v.shape[1:]) for n, v in waiting.inputs.items()))
-            chunks = groups.setdefault(key, [[]])
-            full = self.max_requests and len(chunks[-1]) >= self.max_requests
-            if full or sum(w.rows for w in chunks[-1]) + waiting.rows > self.max_batch:
-                chunks.append([])
-            chunks[-1].append(waiting)
-        return [chunk for chunks in groups.values() for chunk in chunks]
+        return gathered_batches(taken, self.max_batch, self.max_requests)
 
     def _run_batch(
         self, batch: list[_Waiting], compile_later: Callable[[Signature, Tensors], None]

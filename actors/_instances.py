@@ -253,18 +253,13 @@ class Instances:
             InferenceError: the execution as a whole failed (the model named).
         """
         backend = self.backend
+        if instance.inline and not backend.capabilities.is_async:
+            return self.run_listed_inline(instance, requests)
         try:
             if backend.capabilities.is_async:
                 t0 = time.perf_counter_ns()
                 raw = await backend.execute_requests_async(instance.loaded, requests)
                 t1 = time.perf_counter_ns()
-            elif instance.inline:
-                holder = self.holder
-                outer, holder.runs = holder.runs, self
-                try:
-                    raw, t0, t1 = _timed(backend.execute_requests, instance.loaded, requests)
-                finally:
-                    holder.runs = outer
             else:
                 # Timed in the thread: the hop to it and back is not the model's time, and
                 # counting it would keep a fast model from ever coming back inline.
@@ -273,6 +268,31 @@ class Instances:
                 )
         except Exception as exc:
             raise self.error(exc) from exc
+        return self._outcomes(raw, t0, t1)
+
+    def run_listed_inline(
+        self, instance: Instance, requests: list[InferRequest]
+    ) -> tuple[list[Tensors | InferenceError], Timings]:
+        """`run_listed` here, on the event loop (the watchdog told which model holds it).
+
+        Raises:
+            InferenceError: the execution as a whole failed (the model named).
+        """
+        holder = self.holder
+        outer, holder.runs = holder.runs, self
+        try:
+            raw, t0, t1 = _timed(self.backend.execute_requests, instance.loaded, requests)
+        except Exception as exc:
+            raise self.error(exc) from exc
+        finally:
+            holder.runs = outer
+        return self._outcomes(raw, t0, t1)
+
+    def _outcomes(
+        self, raw: list[Any], t0: int, t1: int
+    ) -> tuple[list[Tensors | InferenceError], Timings]:
+        """Each request's checked outputs, or its error, from ``execute_requests`` (run
+        from ``t0`` to ``t1``), and the `Timings`."""
         checking = time.perf_counter_ns()
         outcomes: list[Tensors | InferenceError] = []
         for item in raw:

@@ -20,6 +20,7 @@ from orchestrion import AsyncServer, Model
 from orchestrion.actors import EnsembleRunner, ModelRunner
 from orchestrion.actors._fusion import Fusion
 from orchestrion.actors._instances import SWITCH_WINDOW
+from orchestrion.actors._listed_fusion import ListedFusion
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,
@@ -239,6 +240,8 @@ def with_fusion(definition: Model, mode: str) -> Model:
 def fused(server: AsyncServer, name: str = "pipe") -> bool:
     """Whether the ensemble ``name`` has run a request fused (mode "xla": has compiled one)."""
     fusion = _fusion_of(server, name)
+    if isinstance(fusion, ListedFusion):
+        return fusion.announced
     return fusion is not None and (fusion._announced or bool(fusion._ready))
 
 
@@ -247,7 +250,7 @@ async def settled(server: AsyncServer, name: str = "pipe") -> bool:
     request for a new signature takes the scheduler's path while its fused call compiles."""
     with trio.fail_after(30):
         # A worker thread compiles: there is no event to wait on.
-        while (f := _fusion_of(server, name)) is not None and f._compiling:  # noqa: ASYNC110
+        while isinstance(f := _fusion_of(server, name), Fusion) and f._compiling:  # noqa: ASYNC110
             await trio.sleep(0.01)
     return fused(server, name)
 
@@ -281,7 +284,7 @@ async def infer_until_inline(
     return False
 
 
-def _fusion_of(server: AsyncServer, name: str) -> Fusion | None:
+def _fusion_of(server: AsyncServer, name: str) -> Fusion | ListedFusion | None:
     ensemble = server._registry.resolve(name)
     assert isinstance(ensemble, EnsembleRunner), name
     return ensemble._fusion

@@ -575,7 +575,7 @@ async def test_custom_metrics_show_on_metrics_while_the_model_is_loaded() -> Non
 
 async def test_python_and_jax_steps_mix_in_one_ensemble() -> None:
     """An ensemble of add_sub (python backend) then a jitted JAX step: the right answer,
-    and each step counted."""
+    each step counted, and never fused (the steps are of two kinds)."""
     scale = model(
         "scale", lambda X: {"Y": X * 10}, [tensor("X", dims=(4,))], [tensor("Y", dims=(4,))]
     )
@@ -595,6 +595,10 @@ async def test_python_and_jax_steps_mix_in_one_ensemble() -> None:
         assert out.outputs["OUT"].tolist() == [50, 50, 50, 50]
         assert server.model_statistics("add_sub")[0].inference_count == 1
         assert_idle(server, "mixed")
+        # A python step beside a jitted one: neither kind of fused call takes both.
+        for _ in range(3 * SWITCH_WINDOW):
+            await server.infer("mixed", {"A": A, "B": B})
+        assert server._registry.resolve("mixed")._fusion is None
 
 
 async def test_a_decoupled_python_model_streams_through_an_ensemble() -> None:

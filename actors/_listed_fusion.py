@@ -1,0 +1,285 @@
+"""ListedFusion: an ensemble of Triton python-backend models, run step after step without
+the scheduler.
+
+How this works. A python-backend model takes a list of requests (``execute(requests)``)
+and answers each. When every step of an ensemble is such a model, stateless, not
+decoupled, making no BLS calls, with an idle instance that runs inline (its executions
+short), the scheduler's actors, channels and batch queues add nothing but cost: about
+250 µs a request against 30-40 µs for the three ``execute`` calls of a three-step
+ensemble. `ListedFusion` then runs the requests that arrive in one scheduling pass
+together: for each step in the ensemble's order, one ``execute`` with one request per
+client request (at most ``max_batch_size`` rows, as the step's dynamic batcher would
+form), each request derived from the client's (its id, parameters and flags) with the
+inputs the earlier steps produced, checked against the step's config as the router checks
+them. A model without dynamic batching gets one request per ``execute``, as it would from
+the scheduler.
+
+What stays the same for the client and the metrics: the outputs; the errors, word for word
+(a step's error, or a step's refusal of an input an earlier step left out, ends that
+request with the ensemble's message naming the step; the other requests of the pass go
+on); each composing model's request and execution statistics; and the inline rule (each
+execution teaches its instance how long it takes: a step that turns slow leaves the event
+loop, and the ensemble's requests then take the scheduler's path). Nothing is run twice:
+a batch either starts with an inline instance free for every step or takes the
+scheduler's path before any step runs. Anything unusual takes the scheduler's path, as for
+`Fusion`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from ..protocols import (
+    EnsembleGraph,
+    InferenceError,
+    InferRequest,
+    InvalidRequestError,
+    ModelNotFoundError,
+    StepPlan,
+    Tensors,
+)
+from ._batch_queue import gathered_batches
+from ._ensemble_errors import left_out_note, step_failed
+from ._instances import Instance
+from ._runner import ModelRunner, batch_size
+
+_log = logging.getLogger("orchestrion")
+
+
+def listed(runner: ModelRunner) -> bool:
+    """Whether ``runner`` can be a step of a `ListedFusion`: a model that takes lists of
+    requests (Triton's python backend) and may run inline (no BLS, no response sender)."""
+    capabilities = runner.capabilities
+    return (
+        capabilities.takes_request
+        and capabilities.may_run_inline
+        and hasattr(runner.backend, "execute_requests")
+    )
+
+
+@attrs.define(eq=False, slots=True)
+class _Waiting:
+    """A client request of one scheduling pass, and where it stands."""
+
+    request: InferRequest
+    rows: int
+    board: dict[str, Any]
+    """The tensors so far: the ensemble's inputs, then each step's outputs."""
+    done: trio.Event = attrs.Factory(trio.Event)
+    ran: bool = False
+    """Its batch ran (the outputs or the error below); False: the scheduler's path."""
+    error: InferenceError | None = None
+    left_out: set[str] | None = None
+    """Tensors a step was asked for and left out of its answer (for the error's note)."""
+    abandoned: bool = False
+
+    @property
+    def inputs(self) -> Tensors:
+        """The ensemble's inputs (grouping into batches looks at them)."""
+        return self.request.inputs
+
+
+@attrs.define(eq=False)
+class ListedFusion:
+    """The fused call of one ensemble of python-backend steps, for one set of runners."""
+
+    name: str
+    order: tuple[StepPlan, ...]
+    runners: tuple[ModelRunner, ...]
+    outputs: tuple[str, ...]
+    graph: EnsembleGraph
+    step_outputs: Mapping[int, frozenset[str]]
+    """Each step's outputs that someone consumes (what its requests ask for)."""
+    max_batch: int = 0
+    max_requests: int = 0
+    """The ensemble's max_inflight_requests: the most requests one batch may hold."""
+    slow: bool = False
+    """Never set: each step's instance learns, and a slow one makes `idle` False."""
+    announced: bool = attrs.field(init=False, default=False)
+    """A batch has run fused (and the log said so, once)."""
+    _waiting: list[_Waiting] = attrs.field(init=False, factory=list)
+    _collecting: bool = attrs.field(init=False, default=False)
+
+    def current(self, runners: Sequence[object]) -> bool:
+        """Whether this fusion was built for exactly these runners (none reloaded)."""
+        return len(runners) == len(self.runners) and all(
+            a is b for a, b in zip(runners, self.runners, strict=True)
+        )
+
+    def idle(self) -> bool:
+        """Whether every composing model has an idle inline instance and nothing queued."""
+        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
+            if not runner.idle():
+                return False
+        return True
+
+    async def run(
+        self, request: InferRequest, usable: Callable[[], bool]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        """The ensemble's outputs for ``request``, run with the other requests of this
+        scheduling pass; None: take the scheduler's path (nothing of it ran).
+
+        The first request to arrive collects: it lets the others of this pass arrive (one
+        checkpoint, shielded so that those waiting on it are never left behind), then runs
+        them in batches. ``usable`` says, at that moment, whether fusing is still right.
+
+        Raises:
+            InferenceError: a step failed or refused its request (the ensemble's message).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()  # past its deadline: never runs
+        rows = batch_size(self.max_batch, request.inputs)
+        me = _Waiting(request, rows, dict(request.inputs))
+        self._waiting.append(me)
+        if self._collecting:
+            try:
+                await me.done.wait()
+            except BaseException:
+                me.abandoned = True
+                raise
+            return self._answer(me)
+        self._collecting = True
+        try:
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._collecting = False
+        taken, self._waiting = self._waiting, []
+        try:
+            try:  # the collector's own cancellation (during the pass) drops it out too
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                me.abandoned = True
+                raise
+            finally:  # the others are served either way
+                if usable():
+                    live = [w for w in taken if not w.abandoned]
+                    if self.max_batch:
+                        batches = gathered_batches(live, self.max_batch, self.max_requests)
+                    else:
+                        batches = [[w] for w in live]
+                    for batch in batches:
+                        self._run_batch(batch)
+        finally:
+            for waiting in taken:  # the ones that did not run take the scheduler's path
+                waiting.done.set()
+        return self._answer(me)
+
+    def _answer(self, me: _Waiting) -> dict[str, np.ndarray[Any, Any]] | None:
+        if not me.ran:
+            return None
+        if me.error is not None:
+            raise me.error
+        board = me.board
+        return {name: board[name] for name in self.outputs if name in board}
+
+    def _instances(self) -> list[Instance] | None:
+        """For every step, an inline instance free now; None: some step has none."""
+        chosen = []
+        for runner in self.runners:
+            found = next((i for i in runner.pool.all if i.inline and not i.busy), None)
+            if found is None:
+                return None
+            chosen.append(found)
+        return chosen
+
+    def _run_batch(self, batch: list[_Waiting]) -> None:
+        """Run every step for ``batch``; each request ends with its outputs on its board or
+        its error. Nothing runs when some step has no free inline instance."""
+        instances = self._instances()
+        if instances is None:
+            return
+        live = batch
+        for plan, runner, instance in zip(self.order, self.runners, instances, strict=True):
+            requests = self._step_requests(plan, runner, live)
+            if runner.capabilities.request_lists:
+                groups = [requests] if requests else []
+            else:
+                groups = [[r] for r in requests]
+            for group in groups:
+                self._execute(plan, runner, instance, group)
+            live = [w for w in live if w.error is None]
+            if not live:
+                break
+        for waiting in batch:
+            waiting.ran = True
+        if not self.announced:
+            self.announced = True
+            steps = ", ".join(f"'{r.model.name}'" for r in self.runners)
+            _log.info("ensemble '%s' runs fused: its python steps (%s) in turn", self.name, steps)
+
+    def _step_requests(
+        self, plan: StepPlan, runner: ModelRunner, live: list[_Waiting]
+    ) -> list[tuple[_Waiting, InferRequest]]:
+        """The step's request of each live client request, checked as the router checks
+        it (a refused one ends its client request with the ensemble's message)."""
+        wanted = self.step_outputs[plan.index]
+        made = []
+        for waiting in live:
+            board = waiting.board
+            args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
+            try:
+                inputs = runner.checker.inputs(args, adapt_batching=True)
+            except InvalidRequestError as exc:
+                if not isinstance(exc, ModelNotFoundError):
+                    runner.stats.request_finished(exc, 0, 0)
+                note = left_out_note(self.graph, plan, waiting.left_out)
+                waiting.error = step_failed(self.name, plan, exc, note)
+                continue
+            request = waiting.request.derive(
+                model_name=plan.model_name,
+                model_version=plan.model_version,
+                inputs=inputs,
+                requested_outputs=wanted,
+            )
+            made.append((waiting, request))
+        return made
+
+    def _execute(
+        self,
+        plan: StepPlan,
+        runner: ModelRunner,
+        instance: Instance,
+        group: list[tuple[_Waiting, InferRequest]],
+    ) -> None:
+        """One ``execute`` of ``group``'s requests, counted as the scheduler counts it;
+        each client request gets the step's outputs on its board, or its error."""
+        requests = [r for _, r in group]
+        max_batch = runner.config.max_batch_size
+        rows = [batch_size(max_batch, r.inputs) for r in requests]
+        instance.busy = True
+        started = time.perf_counter_ns()
+        timings = None
+        outcomes: list[Tensors | InferenceError]
+        try:
+            outcomes, timings = runner.pool.run_listed_inline(instance, requests)
+        except InferenceError as exc:
+            outcomes = [exc] * len(requests)
+        finally:
+            instance.busy = False
+        elapsed = time.perf_counter_ns() - started
+        runner.record(instance, 0, timings, elapsed, sum(rows), True, requests, started)
+        wanted = self.step_outputs[plan.index]
+        stats = runner.stats
+        for (waiting, _), outcome, count in zip(group, outcomes, rows, strict=True):
+            if isinstance(outcome, InferenceError):
+                stats.request_finished(outcome, elapsed, count)
+                note = left_out_note(self.graph, plan, waiting.left_out)
+                waiting.error = step_failed(self.name, plan, outcome, note)
+                continue
+            stats.request_finished(None, elapsed, count)
+            board = waiting.board
+            for output, tensor in plan.outputs:
+                value = outcome.get(output)
+                if value is not None:
+                    board[tensor] = value
+                elif output in wanted:
+                    if waiting.left_out is None:
+                        waiting.left_out = set()
+                    waiting.left_out.add(tensor)
