@@ -13,7 +13,6 @@ line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import functools
 import signal
 import sys
 import time
@@ -37,7 +36,8 @@ from ._cli_run import add_run_flags, run_command
 from ._cli_triton_flags import HelpFormatter
 from ._control import Shutdown
 from ._logging import configure_logging
-from ._serve import Endpoints, ServeOptions, serve
+from ._serve import Endpoints, ServeOptions, check_workers, serve
+from ._workers import serve_workers
 
 _DESCRIPTION = (
     "The orchestrion command line: serve a Triton model repository over HTTP and gRPC "
@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             options, logs = serve_settings(args, console)
             configure_logging(logs)
+            if options.workers != 1:
+                check_workers(options)
+                served = list(sys.argv[1:] if argv is None else argv)
+                return trio.run(serve_workers, options, served, console)
             return trio.run(_serve, options, console)
         return run_command(args, console)
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:
@@ -94,10 +98,23 @@ async def _serve(options: ServeOptions, console: Console) -> int:
         # Listening from the start: a signal while the models load stops them gracefully
         # once loaded. The first signal ends this task; `serve` returns only after it.
         nursery.start_soon(_shut_down_on_signal, shutdown, options.exit_timeout, console)
-        endpoints = await nursery.start(functools.partial(serve, options, shutdown=shutdown))
+        endpoints = await nursery.start(_serve_until_stopped, options, shutdown, nursery)
         _report_started(endpoints, time.perf_counter() - started, console)
     console.print("stopped")
     return 0
+
+
+async def _serve_until_stopped(
+    options: ServeOptions,
+    shutdown: Shutdown,
+    nursery: trio.Nursery,
+    *,
+    task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """`serve`; once it has stopped (on a signal, or by itself: a worker whose supervisor
+    is gone), the signal listener beside it ends too."""
+    await serve(options, shutdown=shutdown, task_status=task_status)
+    nursery.cancel_scope.cancel()
 
 
 async def _shut_down_on_signal(shutdown: Shutdown, exit_timeout: float, console: Console) -> None:

@@ -344,6 +344,17 @@ def _add_frontend_flags(network: argparse._ArgumentGroup) -> None:
         f"(default: {_default('frontend_threads')})",
     )
     network.add_argument(
+        "--workers",
+        type=int,
+        default=_default("workers"),
+        metavar="N",
+        help="server processes, each with its own interpreter and models, sharing the ports "
+        "(the kernel spreads connections across them; metrics add up on the metrics port); "
+        "needs the native front end; model control through the API and client shared "
+        f"memory are refused with more than one (default: {_default('workers')})",
+    )
+    network.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
+    network.add_argument(
         "--frontend-cache-size",
         type=int,
         default=_default("frontend_cache_size"),
@@ -403,6 +414,8 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         frontend=args.frontend,
         frontend_threads=args.frontend_threads,
         frontend_cache_size=args.frontend_cache_size,
+        workers=args.workers,
+        worker_of=args.worker_of,
     )
     return options, triton.logs
 

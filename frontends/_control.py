@@ -133,6 +133,8 @@ class ModelControl:
     """Where the files of load requests are written (and their limits)."""
     config_reading: ConfigReading = AUTO_COMPLETE
     """How load requests find and complete configs (the server's own reading)."""
+    api_refusal: str | None = None
+    """Why load and unload requests are refused whatever the mode (None: they are not)."""
     _expected: set[str] = attrs.field(factory=set, init=False)
     """Models that should be serving (for strict readiness)."""
     _failed: dict[str, str] = attrs.field(factory=dict, init=False)
@@ -181,6 +183,8 @@ class ModelControl:
                 f"explicit model load / unload is not allowed in model control mode "
                 f"'{self.mode}' (start the server with --model-control-mode=explicit)"
             )
+        if self.api_refusal is not None:
+            raise ModelControlError(self.api_refusal)
 
     async def load(self, name: str, override: LoadOverride | None = None) -> None:
         """Load (or reload) ``name``, with the composing models its ensembles need, as

@@ -400,6 +400,7 @@ def _listen(
     grpc_address: tuple[str, int] | None,
     *,
     max_message_size: int,
+    reuse_port: bool,
     **http_limits: Any,
 ) -> tuple[str | None, str | None]:
     """Bind the listeners; where HTTP and gRPC listen (``host:port``, None: not served).
@@ -411,14 +412,16 @@ def _listen(
     if http_address is not None:
         host, port = http_address
         try:
-            bound = frontend.listen_http(host, port, **http_limits)
+            bound = frontend.listen_http(host, port, reuse_port=reuse_port, **http_limits)
         except OSError as exc:
             raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc}") from None
         http_at = f"{host}:{bound}"
     if grpc_address is not None:
         host, port = grpc_address
         try:
-            bound = frontend.listen_grpc(host, port, max_message=max_message_size)
+            bound = frontend.listen_grpc(
+                host, port, max_message=max_message_size, reuse_port=reuse_port
+            )
         except OSError as exc:
             raise ConfigError(f"cannot serve gRPC on {host}:{port}: {exc}") from None
         grpc_at = f"{host}:{bound}"
@@ -440,6 +443,7 @@ async def serve_native(
     max_message_size: int,
     cache_tier_size: int = 0,
     threads: int = 2,
+    reuse_port: bool = False,
     shutdown: Shutdown | None = None,
     exit_timeout: float = 30.0,
     task_status: trio.TaskStatus[tuple[str | None, str | None]] = trio.TASK_STATUS_IGNORED,
@@ -450,6 +454,8 @@ async def serve_native(
 
     ``cache_tier_size``: bytes of answers the front end keeps and answers itself, for models
     whose responses the server caches (0: none; see `frontends._native_cache`).
+    ``reuse_port``: bind with SO_REUSEPORT, to share the ports with other processes that do
+    (the workers of ``orchestrion serve --workers``).
 
     A graceful stop: no new connections, open ones close once answered (HTTP/2: GOAWAY),
     streams refuse what they read next, requests in flight get ``exit_timeout`` seconds.
@@ -474,6 +480,7 @@ async def serve_native(
             keep_alive=keep_alive,
             max_connections=max_connections,
             max_message_size=max_message_size,
+            reuse_port=reuse_port,
         )
         server = http.server if http is not None else grpc_service.server if grpc_service else None
         with open_cache_tier(frontend, server, cache_tier_size) as tier:

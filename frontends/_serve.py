@@ -59,6 +59,7 @@ from ._native_cache import DEFAULT_TIER_SIZE
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 from ._uploads import UploadFolders, open_upload_folders
+from ._workers import stop_when_orphaned, worker_refusal
 
 _log = logging.getLogger("orchestrion")
 
@@ -125,6 +126,12 @@ class ServeOptions:
     frontend_cache_size: int = DEFAULT_TIER_SIZE
     """Bytes of answers the native front end keeps and answers itself, for models whose
     responses the server caches (0: none; see `frontends._native_cache`)."""
+    workers: int = 1
+    """Server processes sharing the ports (``--workers``; see `frontends._workers`)."""
+    worker_of: int = 0
+    """This process is one of that many workers (0: it serves alone): it binds with
+    SO_REUSEPORT, refuses model control through the API and client shared memory (each
+    would reach one worker only), and stops when its parent process goes away."""
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +191,8 @@ async def serve(
         # nursery then waits (each front end at most exit_timeout) for requests in flight;
         # the models close after it.
         memory = SharedMemory(_shm_allowed(options), options.max_shm_regions)
+        if options.worker_of:
+            memory = SharedMemory(False, refusal=worker_refusal("client shared memory", options))
         with contextlib.closing(memory):
             serving = _Serving(server, control, version, options, shutdown, memory, restrictions)
             async with ungrouped(trio.open_nursery()) as front_ends:
@@ -203,9 +212,13 @@ async def serve(
                             else None,
                         )
                     )
-                    await _run_until_stopped(
-                        control, mode, options.poll_interval, baseline, shutdown
-                    )
+                    async with trio.open_nursery() as running:
+                        if options.worker_of:  # an orphaned worker stops
+                            running.start_soon(stop_when_orphaned, shutdown)
+                        await _run_until_stopped(
+                            control, mode, options.poll_interval, baseline, shutdown
+                        )
+                        running.cancel_scope.cancel()
 
 
 @attrs.frozen
@@ -293,6 +306,7 @@ async def _open_model_control(
         strict_readiness=options.strict_readiness,
         uploads=uploads,
         config_reading=reading,
+        api_refusal=worker_refusal("model control", options) if options.worker_of else None,
     )
     if mode is ModelControlMode.EXPLICIT:
         await control.load_at_start(options.load_models, exit_on_error=options.exit_on_error)
@@ -305,6 +319,21 @@ async def _open_model_control(
     gc.collect()
     gc.freeze()
     return control
+
+
+def check_workers(options: ServeOptions) -> None:
+    """Check ``--workers`` against the other flags (before any worker starts).
+
+    Raises:
+        ConfigError: a count below 1, or a front end other than the native one.
+    """
+    if options.workers < 1:
+        raise ConfigError(f"--workers {options.workers}: give 1 or more server processes")
+    if not _native_chosen(options):
+        raise ConfigError(
+            "--workers needs the native front end (its ports are shared with SO_REUSEPORT): "
+            "install it (pip install ./native) and leave --frontend at auto or native"
+        )
 
 
 def _native_chosen(options: ServeOptions) -> bool:
@@ -367,6 +396,7 @@ async def _start_native(
             max_message_size=options.grpc_max_message_size,
             cache_tier_size=_cache_tier_size(serving),
             threads=options.frontend_threads,
+            reuse_port=bool(options.worker_of),
             shutdown=serving.shutdown,
             exit_timeout=options.exit_timeout,
         )

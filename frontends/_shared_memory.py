@@ -87,10 +87,13 @@ class SharedMemory:
         allowed: whether clients may register and use regions (Triton's
             ``--allow-client-shm``); when not, status lists none and the rest is refused.
         max_regions: how many regions may be registered at once.
+        refusal: the refusal's words (Triton's by default).
     """
 
     allowed: bool = True
     max_regions: int = DEFAULT_MAX_REGIONS
+    refusal: str = DISABLED
+    """What a client is told when regions are not allowed."""
     _regions: dict[str, _Region] = attrs.field(factory=dict, init=False)
     _draining: list[_Region] = attrs.field(factory=list, init=False)
     """Unregistered regions that requests still use: closed when the last one is done."""
@@ -229,7 +232,7 @@ class SharedMemory:
 
     def _check_allowed(self) -> None:
         if not self.allowed:
-            raise UnsupportedError(DISABLED)
+            raise UnsupportedError(self.refusal)
 
 
 @attrs.frozen

@@ -29,8 +29,11 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
-def metrics_app(registry: CollectorRegistry) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """An ASGI app answering ``GET /metrics`` with the registry's text (404 elsewhere)."""
+def metrics_app(
+    registry: CollectorRegistry, source: Callable[[], Awaitable[str]] | None = None
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An ASGI app answering ``GET /metrics`` with the registry's text, or what ``source``
+    gives when there is one (404 elsewhere)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -48,7 +51,8 @@ def metrics_app(registry: CollectorRegistry) -> Callable[[Scope, Receive, Send],
         elif scope["method"] not in ("GET", "HEAD"):
             status, body, kind = 405, b"method not allowed\n", "text/plain"
         else:
-            status, body, kind = 200, metrics_text(registry).encode(), CONTENT_TYPE
+            text = await source() if source is not None else metrics_text(registry)
+            status, body, kind = 200, text.encode(), CONTENT_TYPE
         headers = [(b"content-type", kind.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send(
@@ -62,11 +66,13 @@ async def serve_metrics_endpoint(
     registry: CollectorRegistry,
     host: str,
     port: int,
+    source: Callable[[], Awaitable[str]] | None = None,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``/metrics`` on ``host:port`` until cancelled; reports the URL it listens on
-    through ``task_status``.
+    through ``task_status``. ``source``: where the text comes from instead of ``registry``
+    (the supervisor of ``serve --workers`` adds up its workers').
 
     ``url = await nursery.start(serve_metrics_endpoint, registry, host, port)``: ``port=0``
     picks a free port (the URL says which).
@@ -81,7 +87,7 @@ async def serve_metrics_endpoint(
     config.accesslog = None
     config.errorlog = _log
     config.graceful_timeout = 1.0
-    app: Any = metrics_app(registry)
+    app: Any = metrics_app(registry, source)
     async with ungrouped(trio.open_nursery()) as nursery:
         try:
             binds = await nursery.start(functools.partial(serve, app, config, mode="asgi"))

@@ -26,6 +26,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
+use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
@@ -64,18 +65,18 @@ struct Frontend {
     http_connections: Arc<Connections>,
 }
 
-fn bound(host: &str, port: u16) -> PyResult<StdListener> {
+/// A listening socket on ``host:port`` (the first address that binds). ``reuse_port``: with
+/// SO_REUSEPORT, so that the processes of `orchestrion serve --workers` share the port (the
+/// kernel spreads connections across them).
+fn bound(host: &str, port: u16, reuse_port: bool) -> PyResult<StdListener> {
     let addresses: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|e| PyOSError::new_err(format!("{host}:{port}: {e}")))?
         .collect();
     let mut last = None;
     for address in addresses {
-        match StdListener::bind(address) {
-            Ok(listener) => {
-                listener.set_nonblocking(true)?;
-                return Ok(listener);
-            }
+        match listening(address, reuse_port) {
+            Ok(listener) => return Ok(listener),
             Err(e) => last = Some(e),
         }
     }
@@ -83,6 +84,22 @@ fn bound(host: &str, port: u16) -> PyResult<StdListener> {
         Some(e) => format!("{host}:{port}: {e}"),
         None => format!("{host}:{port}: no address"),
     }))
+}
+
+fn listening(address: SocketAddr, reuse_port: bool) -> std::io::Result<StdListener> {
+    let socket = Socket::new(
+        Domain::for_address(address),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?; // as std's TcpListener::bind does on Unix
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
+    socket.bind(&address.into())?;
+    socket.listen(1024)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
 }
 
 fn header_list<'py>(py: Python<'py>, headers: &hyper::HeaderMap) -> PyResult<Bound<'py, PyList>> {
@@ -221,7 +238,7 @@ impl Frontend {
     }
 
     /// Serve HTTP/1.1 and HTTP/2 (cleartext) on ``host:port``; returns the bound port.
-    #[pyo3(signature = (host, port, *, max_body, body_timeout, body_min_rate, header_timeout, keep_alive, max_connections))]
+    #[pyo3(signature = (host, port, *, max_body, body_timeout, body_min_rate, header_timeout, keep_alive, max_connections, reuse_port=false))]
     #[allow(clippy::too_many_arguments)]
     fn listen_http(
         &self,
@@ -233,8 +250,9 @@ impl Frontend {
         header_timeout: f64,
         keep_alive: f64,
         max_connections: usize,
+        reuse_port: bool,
     ) -> PyResult<u16> {
-        let listener = bound(host, port)?;
+        let listener = bound(host, port, reuse_port)?;
         let local = listener.local_addr()?.port();
         let limits = http::HttpLimits {
             max_body,
@@ -260,9 +278,15 @@ impl Frontend {
     }
 
     /// Serve gRPC (HTTP/2, cleartext) on ``host:port``; returns the bound port.
-    #[pyo3(signature = (host, port, *, max_message))]
-    fn listen_grpc(&self, host: &str, port: u16, max_message: usize) -> PyResult<u16> {
-        let listener = bound(host, port)?;
+    #[pyo3(signature = (host, port, *, max_message, reuse_port=false))]
+    fn listen_grpc(
+        &self,
+        host: &str,
+        port: u16,
+        max_message: usize,
+        reuse_port: bool,
+    ) -> PyResult<u16> {
+        let listener = bound(host, port, reuse_port)?;
         let local = listener.local_addr()?.port();
         let (listener, handle) = self.on_runtime(listener)?;
         handle.spawn(accept_grpc(
