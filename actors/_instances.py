@@ -28,6 +28,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import attrs
+import greenback
 import trio
 
 from ..backends import Backend, LoadedInstance
@@ -199,6 +200,20 @@ class Instances:
                 return instance
         return None
 
+    @property
+    def inline_now_allowed(self) -> bool:
+        """Whether an execution may run inline in whatever task asks, synchronously (the
+        fast paths): not for code that awaits, nor for code whose BLS calls wait through a
+        greenback portal (only a task that holds one may run it: `portal`)."""
+        capabilities = self.backend.capabilities
+        return not capabilities.is_async and not capabilities.waits_through_portal
+
+    async def portal(self) -> None:
+        """Before an inline execution in this task: a greenback portal for it to wait on
+        the server through, where its code needs one (once per task; cheap after)."""
+        if self.backend.capabilities.waits_through_portal:
+            await greenback.ensure_portal()
+
     def run_sync(self, instance: Instance, request: InferRequest, work: Work | None) -> Any:
         """Run one execution to the end, here: its checked outputs and `Timings`.
 
@@ -207,13 +222,16 @@ class Instances:
         """
         t0 = time.perf_counter_ns()
         t1 = t0
+        loaded = instance.loaded
+        loaded.waited_ns = 0
         try:
-            args = self.backend.arguments(request, self._state(work), instance.loaded)
+            args = self.backend.arguments(request, self._state(work), loaded)
             t1 = time.perf_counter_ns()
-            raw, new_state = self.backend.execute(instance.loaded, args)
+            raw, new_state = self.backend.execute(loaded, args)
         except Exception as exc:
             raise self.error(exc) from exc
-        return self._finish(raw, new_state, work, t0, t1)
+        # Time waited on the server through a portal is not its own: the loop ran on.
+        return self._finish(raw, new_state, work, t0, t1, loaded.waited_ns)
 
     def run_inline(self, instance: Instance, request: InferRequest, work: Work | None) -> Any:
         """`run_sync` on the event loop, the watchdog told which model holds it meanwhile."""
@@ -254,6 +272,7 @@ class Instances:
         """
         backend = self.backend
         if instance.inline and not backend.capabilities.is_async:
+            await self.portal()
             return self.run_listed_inline(instance, requests)
         try:
             if backend.capabilities.is_async:
@@ -263,9 +282,11 @@ class Instances:
             else:
                 # Timed in the thread: the hop to it and back is not the model's time, and
                 # counting it would keep a fast model from ever coming back inline.
+                instance.loaded.waited_ns = 0
                 raw, t0, t1 = await trio.to_thread.run_sync(
                     _timed, backend.execute_requests, instance.loaded, requests
                 )
+                t1 -= instance.loaded.waited_ns  # nor is waiting on the server (BLS)
         except Exception as exc:
             raise self.error(exc) from exc
         return self._outcomes(raw, t0, t1)
@@ -280,13 +301,15 @@ class Instances:
         """
         holder = self.holder
         outer, holder.runs = holder.runs, self
+        loaded = instance.loaded
+        loaded.waited_ns = 0
         try:
-            raw, t0, t1 = _timed(self.backend.execute_requests, instance.loaded, requests)
+            raw, t0, t1 = _timed(self.backend.execute_requests, loaded, requests)
         except Exception as exc:
             raise self.error(exc) from exc
         finally:
             holder.runs = outer
-        return self._outcomes(raw, t0, t1)
+        return self._outcomes(raw, t0, t1 - loaded.waited_ns)  # its own time only
 
     def _outcomes(
         self, raw: list[Any], t0: int, t1: int
@@ -307,13 +330,16 @@ class Instances:
                     outcomes.append(exc)
         return outcomes, (0, t1 - t0, time.perf_counter_ns() - checking)
 
-    def _finish(self, raw: Any, new_state: Any, work: Work | None, t0: int, t1: int) -> Any:
-        """Keep the new state, check the outputs: the outputs and the `Timings`."""
+    def _finish(
+        self, raw: Any, new_state: Any, work: Work | None, t0: int, t1: int, waited: int = 0
+    ) -> Any:
+        """Keep the new state, check the outputs: the outputs and the `Timings` (the
+        execution's ``waited`` on the server left out of its compute time)."""
         if work is not None:
             work.new_state = new_state
         t2 = time.perf_counter_ns()
         outputs = self.checked(raw)
-        return outputs, (t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+        return outputs, (t1 - t0, t2 - t1 - waited, time.perf_counter_ns() - t2)
 
     def _state(self, work: Work | None) -> Any:
         if not self.backend.capabilities.stateful:

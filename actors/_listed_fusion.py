@@ -60,6 +60,7 @@ def listed(runner: ModelRunner) -> bool:
     return (
         capabilities.takes_request
         and capabilities.may_run_inline
+        and not capabilities.waits_through_portal
         and hasattr(runner.backend, "execute_requests")
     )
 

@@ -284,6 +284,7 @@ class ModelRunner:
                 if self.capabilities.is_async:
                     result = await pool.run_async(instance, work.request, work)
                 elif instance.inline and not compiling:
+                    await pool.portal()
                     result = pool.run_inline(instance, work.request, work)
                 else:
                     result = await trio.to_thread.run_sync(
@@ -356,7 +357,7 @@ class ModelRunner:
         inline instance is idle, with ``execute`` already compiled for these shapes (a
         compilation can take a second: it never runs on the event loop)."""
         capabilities = self.capabilities
-        if capabilities.is_async or capabilities.stateful or capabilities.streaming:
+        if capabilities.stateful or capabilities.streaming or not self.pool.inline_now_allowed:
             return False
         if self.queued or self.batcher is not None:
             return False
@@ -370,7 +371,7 @@ class ModelRunner:
         then decides."""
         batching = self.model.config.dynamic_batching
         batcher = self.batcher
-        if batching is None or batcher is None or self.capabilities.is_async:
+        if batching is None or batcher is None or not self.pool.inline_now_allowed:
             return False
         if batching.max_queue_delay_microseconds or batching.preserve_ordering:
             return False

@@ -66,6 +66,10 @@ class Capabilities:
     short; False: they run in worker threads (code that may wait on the server, such as a
     Triton model's BLS calls, must never run on the event loop) unless the config's
     ``execution`` says otherwise."""
+    waits_through_portal: bool = False
+    """Its code may wait on the server (a Triton model's synchronous BLS calls), which it
+    can do from the event loop through a greenback portal: an inline execution runs only
+    in a task that holds one (`greenback.ensure_portal`), never on a synchronous fast path."""
 
 
 class ServerCalls(Protocol):
@@ -97,6 +101,9 @@ class LoadedInstance:
     """Input signatures (`Backend.signature`) this instance has compiled."""
     typical_ns: int | None = None
     """A warm-up execution's duration (the median of five), or None: not measured."""
+    waited_ns: int = 0
+    """How long its last execution waited on the server (BLS calls): not the execution's
+    own time (inline, through a greenback portal, the event loop runs on meanwhile)."""
 
     def compiled_for(self, signature: Hashable | None) -> bool:
         """Whether an execution for ``signature`` (None: shapes fixed or irrelevant) runs

@@ -6,8 +6,11 @@ variable, so it follows the code into the worker thread that runs ``execute`` an
 asyncio task of an ``async def execute``). The execution owns a trio nursery for the duration
 of the call. A BLS call crosses from the model's thread to trio: from a worker thread with
 ``trio.from_thread.run``, which runs it in the task of the request being executed, so the
-caller's deadline and cancellation reach the called model; from the asyncio loop of an async
-model through a `TrioBridge` whose tasks live in the execution's nursery. A decoupled BLS
+caller's deadline and cancellation reach the called model; from an execution inline on the
+event loop (a short model whose only waits are synchronous BLS calls) with
+``greenback.await_``, in the same task, through the portal that task holds; from the
+asyncio loop of an async model through a `TrioBridge` whose tasks live in the execution's
+nursery. A decoupled BLS
 call's responses are pumped by a task of that nursery into a channel the model's iterator
 reads one at a time (no buffering); when ``execute`` returns, whatever the model left
 unfinished is cancelled.
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
+import greenback
 import trio
 
 from ..protocols import (
@@ -118,6 +123,9 @@ class Execution:
     """The request being executed (its trace context goes with BLS calls)."""
     _bridge: TrioBridge | None = None
     _pumps: list[trio.CancelScope] = attrs.field(factory=list)
+    waited_ns: int = 0
+    """How long its calls waited on the server (BLS): not the execution's own time (from
+    the event loop, through a greenback portal, the loop runs other work meanwhile)."""
 
     def context(self) -> contextvars.Context:
         """A copy of the current context with this execution current: the model's code
@@ -132,18 +140,26 @@ class Execution:
         Raises:
             TritonModelException: called on the event loop, or the server has stopped.
         """
-        if in_trio_worker_thread():
-            return trio.from_thread.run(fn, *args)
-        self._not_on_the_event_loop()
+        started = time.perf_counter_ns()
         try:
-            return trio.from_thread.run(fn, *args, trio_token=self.token)
-        except trio.RunFinishedError:
-            raise TritonModelException("the server has stopped") from None
+            if in_trio_worker_thread():
+                return trio.from_thread.run(fn, *args)
+            if _on_the_event_loop() and greenback.has_portal():
+                return greenback.await_(fn(*args))
+            self._not_on_the_event_loop()
+            try:
+                return trio.from_thread.run(fn, *args, trio_token=self.token)
+            except trio.RunFinishedError:
+                raise TritonModelException("the server has stopped") from None
+        finally:
+            self.waited_ns += time.perf_counter_ns() - started
 
     def to_trio_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the trio thread and wait for it (see `to_trio`)."""
         if in_trio_worker_thread():
             return trio.from_thread.run_sync(fn, *args)
+        if _on_the_event_loop() and greenback.has_portal():
+            return fn(*args)
         self._not_on_the_event_loop()
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self.token)

@@ -87,6 +87,8 @@ class TritonPythonBackend(Backend):
             and config.max_batch_size > 0
             and not decoupled
         )
+        waits = waits_on_server(model)
+        through_portal = waits and not decoupled and not self._async and bls_only(model)
         self.capabilities = Capabilities(
             is_async=self._async,
             streaming=decoupled,
@@ -99,7 +101,8 @@ class TritonPythonBackend(Backend):
             traceable=False,
             request_lists=batching,
             pushes=decoupled,
-            may_run_inline=not decoupled and not waits_on_server(model),
+            may_run_inline=not decoupled and (not waits or through_portal),
+            waits_through_portal=through_portal,
         )
         self.variable_shapes = True
         self._facing = facing = model_facing(config)
@@ -334,6 +337,7 @@ class TritonPythonBackend(Backend):
             return context.run(instance.params.model.execute, requests)
         finally:
             execution.finish()
+            instance.waited_ns = execution.waited_ns
 
     async def call_async(
         self, instance: LoadedInstance, requests: list[InferenceRequest], parent: InferRequest
@@ -395,19 +399,47 @@ _SERVER_CALLS = ("InferenceRequest", "get_response_sender", "is_model_ready", "a
 """Names in a model's code that can wait on the server (BLS calls, senders)."""
 
 
+_OFF_THE_LOOP = (
+    "get_response_sender",
+    "async_exec",
+    "threading",
+    "Thread",
+    "concurrent.futures",
+    "multiprocessing",
+)
+"""Names in a model's code that rule out waiting through a portal: a response sender (its
+answers may come from elsewhere while ``execute`` waits), threads or pools of the model's
+own (a BLS call from one would wait on the event loop that its ``execute`` is blocking)."""
+
+
+def bls_only(model: Model) -> bool:
+    """Whether the model's code waits on the server only through synchronous BLS calls
+    (``InferenceRequest(...).exec()``, ``is_model_ready``), none of them from a thread of
+    its own: it can wait through a greenback portal from the event loop."""
+    texts = _code_texts(model)
+    return texts is not None and not any(n in t for t in texts for n in _OFF_THE_LOOP)
+
+
+def _code_texts(model: Model) -> list[str] | None:
+    """The model's code files (its folder's, helpers included), or its class's source;
+    None when they cannot be read."""
+    source = model.source
+    try:
+        if source.endswith(".py"):
+            folder = Path(source).parent
+            return [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
+        return [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return None
+
+
 def waits_on_server(model: Model) -> bool:
     """Whether the model's code may wait on the server: its code files (the model's folder,
     helpers beside ``model.py`` included) name a BLS call or a response sender. Such code
     must never run on the event loop; other code is measured like any plain-Python model's
     (inline when its executions prove short). Code that cannot be read counts as waiting."""
-    source = model.source
-    try:
-        if source.endswith(".py"):
-            folder = Path(source).parent
-            texts = [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
-        else:
-            texts = [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
-    except (OSError, TypeError):
+    texts = _code_texts(model)
+    if texts is None:
         return True
     return any(name in text for text in texts for name in _SERVER_CALLS)
 

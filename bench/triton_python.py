@@ -7,7 +7,8 @@ between machines):
    ``execute(requests)`` in a worker thread; and the same class with ``execution: inline``)
    and as orchestrion's own plain-Python model (``JIT = False``, inline when fast), at
    concurrency 1 and 16.
-2. A BLS call (tests/triton_models/bls calling add_sub) against calling add_sub directly.
+2. A BLS call (tests/triton_models/bls calling add_sub): inline, the call waiting through a
+   greenback portal (what a short BLS model gets), and forced into a worker thread.
 3. A jitted ``Y = X * 2 + 1`` on INT32 (JAX's default 32 bits) and on INT64 (64-bit types on
    for that model's calls only): per call of the backend alone, and per request.
 
@@ -95,14 +96,14 @@ def _per_call_us(fn: Callable[[], Any], seconds: float) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _inline_copy(server: orchestrion.AsyncServer, name: str) -> orchestrion.Model:
-    """The repository's python model ``name`` again, as ``<name>_inline`` with
-    ``parameters { execution: inline }`` (the class as loaded, no file changed)."""
+def _copy(server: orchestrion.AsyncServer, name: str, execution: str) -> orchestrion.Model:
+    """The repository's python model ``name`` again, as ``<name>_<execution>`` with
+    ``parameters { execution: <execution> }`` (the class as loaded, no file changed)."""
     loaded = server._registry.resolve(name).model
     config = attrs.evolve(
         loaded.config,
-        name=f"{name}_inline",
-        parameters={**loaded.config.parameters, "execution": "inline"},
+        name=f"{name}_{execution}",
+        parameters={**loaded.config.parameters, "execution": execution},
     )
     return orchestrion.Model(config=config, triton_model=loaded.triton_model)
 
@@ -123,7 +124,8 @@ async def main(seconds: float) -> None:
     async with orchestrion.open_server(
         model_repository=REPOSITORY, load_models=["add_sub", "bls"], models=models
     ) as server:
-        await server.load_model(_inline_copy(server, "add_sub"))
+        await server.load_model(_copy(server, "add_sub", "inline"))
+        await server.load_model(_copy(server, "bls", "thread"))
         inputs = {"INPUT0": A, "INPUT1": B}
         bls_inputs = {"MODEL_NAME": np.array([b"add_sub"], dtype=object), **inputs}
         calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
@@ -136,7 +138,14 @@ async def main(seconds: float) -> None:
                 "add_sub, Triton python model, execution: inline",
                 lambda: server.infer("add_sub_inline", inputs),
             ),
-            ("bls -> add_sub (one BLS call)", lambda: server.infer("bls", bls_inputs)),
+            (
+                "bls -> add_sub (one BLS call; inline, waiting through a portal)",
+                lambda: server.infer("bls", bls_inputs),
+            ),
+            (
+                "bls -> add_sub, execution: thread (the hop there and back)",
+                lambda: server.infer("bls_thread", bls_inputs),
+            ),
         ]
         for label, call in calls:
             for concurrency in (1, 16):

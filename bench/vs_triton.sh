@@ -26,7 +26,8 @@
 # files), RESULTS (bench/.peers/results; bench/.peers/results-same-models with
 # ORCHESTRION_MODELS=triton_models, so neither run overwrites the other's), CHECK (1: before
 # measuring, bench/vs_triton/check_same.py checks over HTTP that the server computes the numpy
-# reference), MIN_RATIO (unset: report only; a number: exit 1 when any row's throughput
+# reference), ORCHESTRION_FLAGS (more `orchestrion serve` flags, e.g. "--workers 2"; unset:
+# its defaults), MIN_RATIO (unset: report only; a number: exit 1 when any row's throughput
 # ratio orchestrion / Triton is below it: the regression check, e.g.
 #   MIN_RATIO=1.0 CONCURRENCY="1 16" MEASUREMENT_INTERVAL=2000 bench/vs_triton.sh
 # in about four minutes).
@@ -48,6 +49,7 @@ HERE="$ROOT/bench/vs_triton"
 VENV="$ROOT/bench/.venv-triton"
 PEERS="$ROOT/bench/.peers"
 ORCHESTRION_MODELS="${ORCHESTRION_MODELS:-orchestrion_models}"
+ORCHESTRION_FLAGS="${ORCHESTRION_FLAGS:-}"
 case "$ORCHESTRION_MODELS" in
   orchestrion_models) RESULTS="${RESULTS:-$PEERS/results}" ;;
   triton_models) RESULTS="${RESULTS:-$PEERS/results-same-models}" ;;
@@ -164,9 +166,10 @@ start_server() {
         "${cache_flags[@]}") >"$logfile" 2>&1 &
       ;;
     orchestrion)
+      # shellcheck disable=SC2086 # ORCHESTRION_FLAGS: words, split on purpose
       "$ROOT/scripts/orchestrion" serve --model-repository "$HERE/$ORCHESTRION_MODELS" \
         --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
-        "${cache_flags[@]}" >"$logfile" 2>&1 &
+        "${cache_flags[@]}" $ORCHESTRION_FLAGS >"$logfile" 2>&1 &
       ;;
   esac
   SERVER_PID=$!
