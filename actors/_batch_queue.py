@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import jax
@@ -351,13 +351,19 @@ def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]
 
 
 class Gathered(Protocol):
-    """A request gathered into a batched fused call: its inputs and their rows."""
+    """A request gathered into a batched fused call: its inputs and their rows, whether
+    its pass has run (`done`), and whether its caller went away before (`abandoned`)."""
 
     @property
     def inputs(self) -> Tensors: ...
 
     @property
     def rows(self) -> int: ...
+
+    @property
+    def done(self) -> trio.Event: ...
+
+    abandoned: bool
 
 
 W = TypeVar("W", bound=Gathered)
@@ -375,3 +381,60 @@ def gathered_batches(taken: list[W], max_batch: int, max_requests: int) -> list[
             chunks.append([])
         chunks[-1].append(waiting)
     return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+@attrs.define(eq=False)
+class OnePass(Generic[W]):
+    """Gathers the requests that arrive in one scheduling pass, to run them together (as a
+    batcher with no queue delay would)."""
+
+    _waiting: list[W] = attrs.field(factory=list)
+    _collecting: bool = False
+
+    @property
+    def collecting(self) -> bool:
+        """A request is letting the others of its pass arrive (tests look)."""
+        return self._collecting
+
+    @property
+    def waiting(self) -> int:
+        """Requests that joined the pass being gathered (tests look)."""
+        return len(self._waiting)
+
+    async def join(self, me: W, run: Callable[[list[W]], None]) -> None:
+        """Add ``me`` to this pass, and return once the pass has run: ``run`` gets the
+        requests of the pass whose callers still wait, and gives each a result or leaves
+        it to take another path.
+
+        The first request to arrive collects: it lets the others of the pass arrive (one
+        checkpoint, shielded so that those waiting on it are never left behind), then calls
+        ``run``, also when it is cancelled itself meanwhile (it then drops out). A request
+        cancelled while it waits drops out; one past its deadline never joins.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._waiting.append(me)
+        if self._collecting:
+            try:
+                await me.done.wait()
+            except BaseException:
+                me.abandoned = True
+                raise
+            return
+        self._collecting = True
+        try:
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._collecting = False
+        taken, self._waiting = self._waiting, []
+        try:
+            try:  # the collector's own cancellation (during the pass) drops it out too
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                me.abandoned = True
+                raise
+            finally:  # the others are served either way
+                run([w for w in taken if not w.abandoned])
+        finally:
+            for waiting in taken:
+                waiting.done.set()

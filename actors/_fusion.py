@@ -52,6 +52,7 @@ import trio
 from ..protocols import ModelConfig, StepPlan, Tensors
 from ..protocols._tensors import expected_shape
 from ._batch_queue import (
+    OnePass,
     concatenate,
     gathered_batches,
     repeat_last_row,
@@ -128,13 +129,33 @@ def _abstract_problem(config: ModelConfig, tensors: Mapping[str, Any], kind: str
 
 
 @attrs.define(eq=False)
-class Fusion:
-    """The fused call of one ensemble, for one set of composing runners."""
+class FusedSteps:
+    """What every fused call of an ensemble has: its steps in order, their runners, the
+    ensemble's outputs (`Fusion` for jitted steps, `ListedFusion` for python-backend ones)."""
 
     name: str
     order: tuple[StepPlan, ...]
     runners: tuple[ModelRunner, ...]
     outputs: tuple[str, ...]
+
+    def current(self, runners: Sequence[object]) -> bool:
+        """Whether this fusion was built for exactly these runners (none reloaded)."""
+        return len(runners) == len(self.runners) and all(
+            a is b for a, b in zip(runners, self.runners, strict=True)
+        )
+
+    def idle(self) -> bool:
+        """Whether every composing model has an idle inline instance and nothing queued."""
+        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
+            if not runner.idle():
+                return False
+        return True
+
+
+@attrs.define(eq=False)
+class Fusion(FusedSteps):
+    """The fused call of one ensemble of jitted steps, for one set of composing runners."""
+
     mode: FusionMode = FusionMode.ON
     """"on": the steps' own executables one after another; "xla": one traced function."""
     _call: Callable[..., Any] | None = attrs.field(init=False, default=None)
@@ -164,8 +185,7 @@ class Fusion:
     (0: no limit), as the steps' slots would let through."""
     gathers: bool = attrs.field(init=False, default=False)
     """Every step batches dynamically: concurrent requests are gathered into one call."""
-    _waiting: list[_Waiting] = attrs.field(init=False, factory=list)
-    _collecting: bool = attrs.field(init=False, default=False)
+    _pass: OnePass[_Waiting] = attrs.field(init=False, factory=OnePass)
 
     _pads: tuple[int, ...] = attrs.field(init=False, default=())
     """Batch sizes every step has compiled (mode "on" pads a gathered batch to one)."""
@@ -192,12 +212,6 @@ class Fusion:
         return (
             f"ensemble '{self.name}' running fused (one compiled call of its steps), at "
             f"{where}; every request waits until it returns"
-        )
-
-    def current(self, runners: Sequence[object]) -> bool:
-        """Whether this fusion was built for exactly these runners (none reloaded)."""
-        return len(runners) == len(self.runners) and all(
-            a is b for a, b in zip(runners, self.runners, strict=True)
         )
 
     def _steps(self, params: tuple[Any, ...], inputs: Mapping[str, Any]) -> list[Any]:
@@ -407,13 +421,6 @@ class Fusion:
             _log.info("ensemble '%s' runs fused: its steps (%s) in turn", self.name, steps)
         return {name: board[name] for name in self.outputs if name in board}
 
-    def idle(self) -> bool:
-        """Whether every composing model has an idle inline instance and nothing queued."""
-        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
-            if not runner.idle():
-                return False
-        return True
-
     async def gather(
         self,
         inputs: Tensors,
@@ -432,36 +439,14 @@ class Fusion:
         step reloaded); ``compile_later`` starts preparing a new signature (its requests take
         the scheduler's path meanwhile). A request cancelled while it waits drops out.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()  # past its deadline: never runs
         me = _Waiting(inputs, rows)
-        self._waiting.append(me)
-        if self._collecting:
-            try:
-                await me.done.wait()
-            except BaseException:
-                me.abandoned = True
-                raise
-            return me.outputs
-        self._collecting = True
-        try:
-            with trio.CancelScope(shield=True):
-                await trio.lowlevel.checkpoint()
-        finally:
-            self._collecting = False
-        taken, self._waiting = self._waiting, []
-        try:
-            try:  # the collector's own cancellation (during the pass) drops it out too
-                await trio.lowlevel.checkpoint_if_cancelled()
-            except BaseException:
-                me.abandoned = True
-                raise
-            finally:  # the others are served either way
-                if usable():
-                    for batch in self._batches([w for w in taken if not w.abandoned]):
-                        self._run_batch(batch, compile_later)
-        finally:
-            for waiting in taken:  # the ones given no outputs take the scheduler's path
-                waiting.done.set()
+
+        def run(live: list[_Waiting]) -> None:
+            if usable():
+                for batch in self._batches(live):
+                    self._run_batch(batch, compile_later)
+
+        await self._pass.join(me, run)
         return me.outputs
 
     def _batches(self, taken: list[_Waiting]) -> list[list[_Waiting]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -45,8 +45,9 @@ from ..protocols import (
     StepPlan,
     Tensors,
 )
-from ._batch_queue import gathered_batches
+from ._batch_queue import OnePass, gathered_batches
 from ._ensemble_errors import left_out_note, step_failed
+from ._fusion import FusedSteps
 from ._instances import Instance
 from ._runner import ModelRunner, batch_size
 
@@ -88,13 +89,9 @@ class _Waiting:
 
 
 @attrs.define(eq=False)
-class ListedFusion:
+class ListedFusion(FusedSteps):
     """The fused call of one ensemble of python-backend steps, for one set of runners."""
 
-    name: str
-    order: tuple[StepPlan, ...]
-    runners: tuple[ModelRunner, ...]
-    outputs: tuple[str, ...]
     graph: EnsembleGraph
     step_outputs: Mapping[int, frozenset[str]]
     """Each step's outputs that someone consumes (what its requests ask for)."""
@@ -105,21 +102,7 @@ class ListedFusion:
     """Never set: each step's instance learns, and a slow one makes `idle` False."""
     announced: bool = attrs.field(init=False, default=False)
     """A batch has run fused (and the log said so, once)."""
-    _waiting: list[_Waiting] = attrs.field(init=False, factory=list)
-    _collecting: bool = attrs.field(init=False, default=False)
-
-    def current(self, runners: Sequence[object]) -> bool:
-        """Whether this fusion was built for exactly these runners (none reloaded)."""
-        return len(runners) == len(self.runners) and all(
-            a is b for a, b in zip(runners, self.runners, strict=True)
-        )
-
-    def idle(self) -> bool:
-        """Whether every composing model has an idle inline instance and nothing queued."""
-        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
-            if not runner.idle():
-                return False
-        return True
+    _pass: OnePass[_Waiting] = attrs.field(init=False, factory=OnePass)
 
     async def run(
         self, request: InferRequest, usable: Callable[[], bool]
@@ -127,49 +110,24 @@ class ListedFusion:
         """The ensemble's outputs for ``request``, run with the other requests of this
         scheduling pass; None: take the scheduler's path (nothing of it ran).
 
-        The first request to arrive collects: it lets the others of this pass arrive (one
-        checkpoint, shielded so that those waiting on it are never left behind), then runs
-        them in batches. ``usable`` says, at that moment, whether fusing is still right.
+        The requests of the pass are gathered (`OnePass`) and run in batches; ``usable``
+        says, at that moment, whether fusing is still right.
 
         Raises:
             InferenceError: a step failed or refused its request (the ensemble's message).
         """
-        await trio.lowlevel.checkpoint_if_cancelled()  # past its deadline: never runs
-        rows = batch_size(self.max_batch, request.inputs)
-        me = _Waiting(request, rows, dict(request.inputs))
-        self._waiting.append(me)
-        if self._collecting:
-            try:
-                await me.done.wait()
-            except BaseException:
-                me.abandoned = True
-                raise
-            return self._answer(me)
-        self._collecting = True
-        try:
-            with trio.CancelScope(shield=True):
-                await trio.lowlevel.checkpoint()
-        finally:
-            self._collecting = False
-        taken, self._waiting = self._waiting, []
-        try:
-            try:  # the collector's own cancellation (during the pass) drops it out too
-                await trio.lowlevel.checkpoint_if_cancelled()
-            except BaseException:
-                me.abandoned = True
-                raise
-            finally:  # the others are served either way
-                if usable():
-                    live = [w for w in taken if not w.abandoned]
-                    if self.max_batch:
-                        batches = gathered_batches(live, self.max_batch, self.max_requests)
-                    else:
-                        batches = [[w] for w in live]
-                    for batch in batches:
-                        self._run_batch(batch)
-        finally:
-            for waiting in taken:  # the ones that did not run take the scheduler's path
-                waiting.done.set()
+        me = _Waiting(request, batch_size(self.max_batch, request.inputs), dict(request.inputs))
+
+        def run(live: list[_Waiting]) -> None:
+            if usable():
+                if self.max_batch:
+                    batches = gathered_batches(live, self.max_batch, self.max_requests)
+                else:
+                    batches = [[w] for w in live]
+                for batch in batches:
+                    self._run_batch(batch)
+
+        await self._pass.join(me, run)
         return self._answer(me)
 
     def _answer(self, me: _Waiting) -> dict[str, np.ndarray[Any, Any]] | None:

@@ -35,7 +35,7 @@ from ._cli_flags import add_serve_flags, serve_settings
 from ._cli_run import add_run_flags, run_command
 from ._cli_triton_flags import HelpFormatter
 from ._control import Shutdown
-from ._logging import configure_logging
+from ._logging import configure_logging, report_started
 from ._serve import Endpoints, ServeOptions, check_workers, serve
 from ._workers import serve_workers
 
@@ -99,7 +99,8 @@ async def _serve(options: ServeOptions, console: Console) -> int:
         # once loaded. The first signal ends this task; `serve` returns only after it.
         nursery.start_soon(_shut_down_on_signal, shutdown, options.exit_timeout, console)
         endpoints = await nursery.start(_serve_until_stopped, options, shutdown, nursery)
-        _report_started(endpoints, time.perf_counter() - started, console)
+        seconds = time.perf_counter() - started
+        report_started(console, endpoints.grpc, endpoints.http, endpoints.metrics, seconds)
     console.print("stopped")
     return 0
 
@@ -129,18 +130,6 @@ async def _shut_down_on_signal(shutdown: Shutdown, exit_timeout: float, console:
             )
             shutdown.request()
             break
-
-
-def _report_started(endpoints: Endpoints, seconds: float, console: Console) -> None:
-    """Triton's start-up lines, which scripts wait for."""
-    if endpoints.grpc:
-        console.print(f"Started GRPCInferenceService at {endpoints.grpc}", highlight=False)
-    if endpoints.http:
-        console.print(f"Started HTTPService at {endpoints.http}", highlight=False)
-    if endpoints.metrics:
-        console.print(f"Started Metrics Service at {endpoints.metrics}", highlight=False)
-    console.print(f"ready in {seconds:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop", highlight=False)
-    console.file.flush()  # scripts wait for these lines, also through a pipe
 
 
 def _validate(root: Path, console: Console) -> int:

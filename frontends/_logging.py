@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import attrs
+from rich.console import Console
 
 from ..protocols import ConfigError
 
@@ -136,3 +137,20 @@ def configure_logging(settings: LogSettings) -> None:
     handler.addFilter(_Severities(settings))
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if settings.verbose > 0 else logging.INFO)
+
+
+GRPC_STARTED = "Started GRPCInferenceService at "
+HTTP_STARTED = "Started HTTPService at "
+METRICS_STARTED = "Started Metrics Service at "
+
+
+def report_started(
+    console: Console, grpc: str | None, http: str | None, metrics: str | None, seconds: float
+) -> None:
+    """Triton's start-up lines on standard output (``host:port`` each; None: not served),
+    which scripts wait for, then how long the start took."""
+    for line, address in ((GRPC_STARTED, grpc), (HTTP_STARTED, http), (METRICS_STARTED, metrics)):
+        if address:
+            console.print(f"{line}{address}", highlight=False, markup=False)
+    console.print(f"ready in {seconds:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop", highlight=False)
+    console.file.flush()  # scripts wait for these lines, also through a pipe

@@ -59,6 +59,7 @@ from ..protocols._errors import ungrouped
 from ..telemetry._http import serve_metrics_endpoint
 from ..telemetry._metrics import render_text
 from ._control import Shutdown
+from ._logging import GRPC_STARTED, HTTP_STARTED, METRICS_STARTED, report_started
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -87,8 +88,6 @@ SHARED_BACKEND = frozenset({"orchestrion_cache_used_bytes", "orchestrion_cache_c
 """Gauges of a cache that every worker shares (any but ``cache="local"``): each reports the
 same backend, so they are taken once (the largest)."""
 _COUNTER = re.compile(r"^# TYPE (\S+) counter$", re.MULTILINE)
-_STARTED = ("Started GRPCInferenceService at ", "Started HTTPService at ")
-_METRICS_LINE = "Started Metrics Service at "
 
 
 def worker_refusal(what: str, options: ServeOptions) -> str:
@@ -126,8 +125,9 @@ class _Worker:
     process: trio.Process | None = None
     metrics: str | None = None
     """Where its metrics are served (``host:port``), once it said so."""
-    started: list[str] = attrs.field(factory=list)
-    """Its Triton start-up lines (the front ends' addresses)."""
+    grpc: str | None = None
+    http: str | None = None
+    """Where its front ends listen (``host:port``), once it said so."""
     ready: trio.Event = attrs.field(factory=trio.Event)
 
 
@@ -161,7 +161,7 @@ class _Supervisor:
                     1,
                 )
             _log.error("worker %d exited with status %s: starting another", worker.index, status)
-            worker.metrics, worker.started, worker.ready = None, [], trio.Event()
+            worker.metrics, worker.ready = None, trio.Event()
             first = False
 
     async def _run_once(self, worker: _Worker) -> int:
@@ -192,10 +192,12 @@ class _Supervisor:
             for raw in lines:
                 line = raw.decode(errors="replace")
                 # Its start-up lines are not passed on: scripts wait for the supervisor's.
-                if line.startswith(_METRICS_LINE):
-                    worker.metrics = line.removeprefix(_METRICS_LINE).strip()
-                elif line.startswith(_STARTED):
-                    worker.started.append(line)
+                if line.startswith(METRICS_STARTED):
+                    worker.metrics = line.removeprefix(METRICS_STARTED).strip()
+                elif line.startswith(GRPC_STARTED):
+                    worker.grpc = line.removeprefix(GRPC_STARTED).strip()
+                elif line.startswith(HTTP_STARTED):
+                    worker.http = line.removeprefix(HTTP_STARTED).strip()
                 elif line.startswith("ready in "):
                     pid = worker.process.pid if worker.process is not None else 0
                     own = f"; its own metrics at {worker.metrics}" if worker.metrics else ""
@@ -277,7 +279,9 @@ async def serve_workers(
                         options.metrics_port,
                         functools.partial(_added_up, supervisor),
                     )
-                _report_ready(workers[0].started, metrics, time.perf_counter() - began, console)
+                at = metrics.removeprefix("http://").removesuffix("/metrics") if metrics else None
+                first = workers[0]
+                report_started(console, first.grpc, first.http, at, time.perf_counter() - began)
         except WorkerFailed as exc:
             console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
             return exc.status
@@ -334,20 +338,6 @@ def _reserve(stack: contextlib.ExitStack, host: str, port: int | None) -> int | 
     except OSError as exc:
         raise ConfigError(f"cannot reserve a port on {host}: {exc.strerror or exc}") from None
     return int(held.getsockname()[1])
-
-
-def _report_ready(
-    started: list[str], metrics: str | None, seconds: float, console: Console
-) -> None:
-    """Triton's start-up lines, which scripts wait for (the workers' addresses are the
-    same; the metrics are the supervisor's)."""
-    for line in started:
-        console.print(line, highlight=False, markup=False)
-    if metrics:
-        at = metrics.removeprefix("http://").removesuffix("/metrics")
-        console.print(f"{_METRICS_LINE}{at}", highlight=False)
-    console.print(f"ready in {seconds:.1f} s; Ctrl-C (SIGINT) or SIGTERM to stop", highlight=False)
-    console.file.flush()
 
 
 # -- metrics that add up -------------------------------------------------------------------

@@ -304,7 +304,7 @@ class _CancelAtFirstYield(trio.abc.Instrument):
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self.task and self.scope is not None:
             fusion = self.server._registry.resolve("pipe")._fusion
-            self.collecting = fusion is not None and fusion._collecting
+            self.collecting = fusion is not None and fusion._pass.collecting
             self.scope.cancel()
             self.scope = None
 

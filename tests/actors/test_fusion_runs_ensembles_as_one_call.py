@@ -332,7 +332,7 @@ async def test_cancelled_and_timed_out_requests_in_a_gathered_batch_get_one_outc
                     nursery.start_soon(one, i)
         fusion = server._registry.resolve("pipe")._fusion
         assert fusion is not None
-        assert fusion._waiting == []
+        assert fusion._pass.waiting == 0
         assert all(s.pending_request_count == 0 for s in server.model_statistics())
     assert len(outcomes) == 48
     assert {outcomes[i] for i in range(0, 48, 3)} == {"answered"}
