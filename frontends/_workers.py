@@ -201,18 +201,16 @@ class _Supervisor:
                 elif line.startswith("ready in "):
                     pid = worker.process.pid if worker.process is not None else 0
                     own = f"; its own metrics at {worker.metrics}" if worker.metrics else ""
-                    self.console.print(
-                        f"worker {worker.index} (pid {pid}) {line.split(';')[0]}{own}",
-                        highlight=False,
-                        markup=False,
-                    )
+                    self._say(f"worker {worker.index} (pid {pid}) {line.split(';')[0]}{own}")
                     worker.ready.set()
                 else:
-                    self.console.print(
-                        f"worker {worker.index}: {line}", highlight=False, markup=False
-                    )
+                    self._say(f"worker {worker.index}: {line}")
         if pending:
-            self.console.print(f"worker {worker.index}: {pending.decode(errors='replace')}")
+            self._say(f"worker {worker.index}: {pending.decode(errors='replace')}")
+
+    def _say(self, line: str) -> None:
+        """One line on standard output, as it is (no markup, no wrapping)."""
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     async def _stop_process(self, process: trio.Process) -> None:
         """SIGTERM (a graceful stop), then SIGKILL past the exit timeout."""
