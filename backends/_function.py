@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import itertools
 import sys
+import threading
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -39,27 +40,64 @@ if TYPE_CHECKING:
 _module_ids = itertools.count()
 
 
+_MODELS = "_orchestrion_models"
+_IMPORTING = threading.Lock()
+"""One model's code is imported at a time: the import path is changed while it is."""
+
+
 def import_code_file(path: Path, label: str) -> ModuleType:
     """Import a model's code file (a ``model.py``) as a module of its own, never entered in
     ``sys.modules`` (two versions of one model, or two models' helpers, never clash).
+
+    A model may import modules that sit beside it, as Triton's python backend lets it
+    (it puts the version folder and the model's folder on the import path of the model's
+    own process): ``import helper`` finds ``helper.py`` in the version folder, then in the
+    model's folder (after the installed packages, as in Triton), and ``from . import
+    helper`` finds it in the version folder. Both are imported for this model alone:
+    once its import is done they leave ``sys.modules``, so another model's ``helper.py``
+    is its own, and imports at the top of the file (Triton's stub runs them there too)
+    are the ones that see the folders.
 
     Raises:
         ModelLoadError: the file cannot be imported, or importing it raised (the message
             names the file and keeps the original error).
     """
-    module_name = f"_orchestrion_models.m{next(_module_ids)}_{label}"
+    package = f"{_MODELS}.m{next(_module_ids)}_{label}"
+    module_name = f"{package}.{path.stem}"
+    folders = [str(path.parent), str(path.parent.parent)]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        sys.modules.pop(module_name, None)
+    holder = ModuleType(package)
+    holder.__path__ = [str(path.parent)]  # `from . import helper`: the version folder
+    with _IMPORTING:
+        if _MODELS not in sys.modules:  # the parent of every model's package (empty)
+            root = sys.modules[_MODELS] = ModuleType(_MODELS)
+            root.__path__ = []
+        before = set(sys.modules)
+        added = [f for f in folders if f not in sys.path]
+        sys.path.extend(added)
+        sys.modules[package] = holder
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for folder in added:
+                sys.path.remove(folder)
+            for name in set(sys.modules) - before:
+                if name.startswith(package) or _beside(sys.modules[name], folders):
+                    del sys.modules[name]
     return module
+
+
+def _beside(module: ModuleType, folders: list[str]) -> bool:
+    """Whether ``module`` was imported from a model's folders (its helpers, packages of
+    helpers included)."""
+    file = getattr(module, "__file__", None)
+    return file is not None and any(Path(file).is_relative_to(f) for f in folders)
 
 
 def devices(model: Model) -> list[Any]:

@@ -1,0 +1,111 @@
+"""Models made of several files, as Triton's python backend allows: a ``model.py`` that
+imports modules beside it (``import helper`` from its version folder or its model's folder,
+``from . import helper``, a package of helpers), two models whose helpers share a name,
+and a helper that is missing or fails."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import orchestrion
+from orchestrion import ModelLoadError
+
+CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+"""
+
+MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import helper                      # the version folder: {name}/1/helper.py
+from model_common import OFFSET    # the model's folder: {name}/model_common.py
+from . import relative             # from . : {name}/1/relative.py
+from tools.scale import SCALE      # a package of helpers: {name}/1/tools/
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            y = (x * helper.FACTOR + OFFSET + relative.EXTRA) * SCALE
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y.astype(np.float32))]))
+        return answers
+"""
+
+
+def _model(root: Path, name: str, factor: int, offset: int, extra: int, scale: int) -> None:
+    version = root / name / "1"
+    (version / "tools").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    (version / "model.py").write_text(MODEL.format(name=name))
+    (version / "helper.py").write_text(f"FACTOR = {factor}\n")
+    (root / name / "model_common.py").write_text(f"OFFSET = {offset}\n")
+    (version / "relative.py").write_text(f"EXTRA = {extra}\n")
+    (version / "tools" / "__init__.py").write_text("")
+    (version / "tools" / "scale.py").write_text(f"SCALE = {scale}\n")
+
+
+async def test_each_model_imports_its_own_helpers(tmp_path: Path) -> None:
+    """Two models whose helper files have the same names and other contents: each computes
+    with its own, and none of their helpers stays in sys.modules (nor on the import path)
+    to be found by the other, or by later code."""
+    _model(tmp_path, "first", factor=2, offset=1, extra=0, scale=1)
+    _model(tmp_path, "second", factor=10, offset=0, extra=5, scale=3)
+    path_before = list(sys.path)
+    async with orchestrion.open_server(model_repository=tmp_path) as server:
+        x = np.array([1.0, 2.0], np.float32)
+        first = (await server.infer("first", {"X": x})).outputs["Y"]
+        second = (await server.infer("second", {"X": x})).outputs["Y"]
+    assert first.tolist() == [3.0, 5.0]  # x * 2 + 1
+    assert second.tolist() == [45.0, 75.0]  # (x * 10 + 5) * 3
+    for name in ("helper", "model_common", "relative", "tools", "tools.scale"):
+        assert name not in sys.modules
+    assert sys.path == path_before
+
+
+async def test_a_reload_reads_the_helpers_again(tmp_path: Path) -> None:
+    """A helper changed on disk is read again when its model reloads (it is not cached
+    from the first load)."""
+    _model(tmp_path, "first", factor=2, offset=1, extra=0, scale=1)
+    async with orchestrion.open_server(model_repository=tmp_path, load_models=["first"]) as server:
+        x = np.array([1.0, 2.0], np.float32)
+        assert (await server.infer("first", {"X": x})).outputs["Y"].tolist() == [3.0, 5.0]
+        (tmp_path / "first" / "1" / "helper.py").write_text("FACTOR = 100\n")
+        await server.load_model("first")
+        assert (await server.infer("first", {"X": x})).outputs["Y"].tolist() == [101.0, 201.0]
+
+
+@pytest.mark.parametrize(
+    ("helper", "said"),
+    [
+        (None, "ModuleNotFoundError: No module named 'helper'"),
+        ("raise RuntimeError('helper broke')\n", "RuntimeError: helper broke"),
+    ],
+)
+async def test_a_missing_or_failing_helper_is_a_load_error_naming_the_file(
+    tmp_path: Path, helper: str | None, said: str
+) -> None:
+    """The model's load fails with the file and the helper's own error; nothing of it is
+    left in sys.modules."""
+    _model(tmp_path, "broken", factor=2, offset=1, extra=0, scale=1)
+    target = tmp_path / "broken" / "1" / "helper.py"
+    if helper is None:
+        target.unlink()
+    else:
+        target.write_text(helper)
+    with pytest.raises(ModelLoadError) as caught:
+        async with orchestrion.open_server(model_repository=tmp_path):
+            pass
+    assert said in str(caught.value)
+    assert "broken/1/model.py" in str(caught.value)
+    assert "model_common" not in sys.modules
