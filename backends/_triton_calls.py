@@ -296,7 +296,10 @@ def current_execution(call: str) -> Execution:
     try:
         return _EXECUTION.get()
     except LookupError:
+        # Triton's words first (its QA looks for them in the log of a model whose
+        # initialize or finalize makes a BLS call), then where the call may be made.
         raise TritonModelException(
-            f"{call} is only available inside a model's execute, in its own thread or task "
-            "(a thread the model starts itself gets it with contextvars.copy_context().run)"
+            f"BLS is only supported during the 'execute' function. ({call} was called "
+            "outside a model's execute: from initialize, finalize, or a thread the model "
+            "started itself, which gets the execution with contextvars.copy_context().run)"
         ) from None

@@ -1,11 +1,16 @@
 """Models made of several files, as Triton's python backend allows: a ``model.py`` that
 imports modules beside it (``import helper`` from its version folder or its model's folder,
 ``from . import helper``, a package of helpers), two models whose helpers share a name,
-and a helper that is missing or fails."""
+and a helper that is missing or fails. Also a BLS call outside ``execute``, in Triton's
+words."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +114,62 @@ async def test_a_missing_or_failing_helper_is_a_load_error_naming_the_file(
     assert said in str(caught.value)
     assert "broken/1/model.py" in str(caught.value)
     assert "model_common" not in sys.modules
+
+
+async def test_a_bls_call_outside_execute_is_refused_in_tritons_words(tmp_path: Path) -> None:
+    """A BLS call from initialize fails the load, and one from finalize is logged, each
+    with Triton's sentence ("BLS is only supported during the 'execute' function."), which
+    Triton's QA looks for."""
+    code = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _call():
+    x = pb_utils.Tensor("X", np.ones(2, np.float32))
+    pb_utils.InferenceRequest(model_name="x", inputs=[x], requested_output_names=["Y"]).exec()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if "{when}" == "initialize":
+            _call()
+
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)])]
+
+    def finalize(self):
+        if "{when}" == "finalize":
+            _call()
+"""
+    said = "BLS is only supported during the 'execute' function."
+    for when in ("initialize", "finalize"):
+        (tmp_path / when / "1").mkdir(parents=True)
+        (tmp_path / when / "config.pbtxt").write_text(CONFIG.format(name=when))
+        (tmp_path / when / "1" / "model.py").write_text(code.replace("{when}", when))
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
+        async with orchestrion.open_server(model_repository=tmp_path, load_models=["initialize"]):
+            pass
+    with _captured() as records:
+        async with orchestrion.open_server(model_repository=tmp_path, load_models=["finalize"]):
+            pass
+    assert any(said in record for record in records), records
+
+
+@contextlib.contextmanager
+def _captured() -> Iterator[list[str]]:
+    """The orchestrion log's records (message and traceback) while the block runs."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(self.format(record))
+
+    handler = Keep()
+    logger = logging.getLogger("orchestrion")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
