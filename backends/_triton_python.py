@@ -444,6 +444,11 @@ def waits_on_server(model: Model) -> bool:
     return any(name in text for text in texts for name in _SERVER_CALLS)
 
 
+STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"
+"""Characters Triton's python backend refuses in a model's name (its stub's name): its
+words, "Invalid stub name: contains invalid characters", are what its QA looks for."""
+
+
 def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
     """Why ``model``'s class cannot run as a Triton python model (empty: it can)."""
     cls = model.triton_model
@@ -458,4 +463,9 @@ def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
         )
     if model.config.decoupled and model.config.sequence_batching is not None:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
+    if any(c in STUB_NAME_INVALID for c in model.config.name):
+        errors.append(
+            f"{in_config}: Invalid stub name: contains invalid characters (a python-backend "
+            f"model's name may hold none of {STUB_NAME_INVALID}, as in Triton)"
+        )
     return errors

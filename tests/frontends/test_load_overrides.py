@@ -489,3 +489,40 @@ def test_a_write_that_fails_leaves_nothing(tmp_path: Path) -> None:
         assert list(uploads.root.iterdir()) == []
     finally:
         uploads.remove_all()
+
+
+def test_a_python_model_named_with_characters_triton_refuses_is_refused_in_its_words(
+    served: Served, scratch: Path
+) -> None:
+    """Python-backend models sent as files under names holding a character Triton's python
+    backend refuses in a stub's name (``model;test``, ``model(test)``, ...): each load is
+    refused with Triton's words, nothing is loaded and no upload is left; a name with
+    hyphens and underscores loads."""
+    client = httpclient.InferenceServerClient(served.http)
+    client.module = httpclient
+    for name in (
+        "model;test",
+        "model|test",
+        "model$test",
+        "model(test)",
+        "model'test'",
+        "model*test",
+        "model~test",
+        "model!test",
+        'model"test"',
+        "model<test>",
+    ):
+        error = _refused(
+            client, name, config=_config(name), files={"file:1/model.py": PRODUCT_CODE.encode()}
+        )
+        assert "Invalid stub name: contains invalid characters" in error.message(), name
+        assert not client.is_model_ready(name)
+    assert _held(scratch) == []
+    client.load_model(
+        "model-with_hyphens",
+        config=_config("model-with_hyphens"),
+        files={"file:1/model.py": PRODUCT_CODE.encode()},
+    )
+    assert _infer(client, "model-with_hyphens").tolist() == [[2 * i for i in range(16)]]
+    client.unload_model("model-with_hyphens")
+    client.close()
