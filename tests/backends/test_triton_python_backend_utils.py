@@ -181,8 +181,10 @@ def test_calls_into_a_server_outside_execute_say_so() -> None:
     TritonModelException that names the call; the model-loading API says it is not offered."""
     request = pb_utils.InferenceRequest(model_name=b"m", inputs=[], requested_output_names=["Y"])
     assert request.model_name() == "m"
-    with pytest.raises(pb_utils.TritonModelException, match="InferenceRequest.exec is only"):
+    with pytest.raises(pb_utils.TritonModelException) as outside:
         request.exec()
+    assert str(outside.value).startswith("BLS is only supported during the 'execute' function.")
+    assert "InferenceRequest.exec was called outside a model's execute" in str(outside.value)
     with pytest.raises(pb_utils.TritonModelException, match="async_exec"):
         request.async_exec()
     with pytest.raises(pb_utils.TritonModelException, match="is_model_ready"):
