@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .protocols import ModelControlError as ModelControlError
     from .protocols import ModelLoadError as ModelLoadError
     from .protocols import ModelNotFoundError as ModelNotFoundError
+    from .protocols import ModelReportedError as ModelReportedError
     from .protocols import ModelStatistics as ModelStatistics
     from .protocols import Observer as Observer
     from .protocols import OrchestrionError as OrchestrionError
@@ -75,6 +76,7 @@ _WHERE = {
             "ModelControlError",
             "ModelLoadError",
             "ModelNotFoundError",
+            "ModelReportedError",
             "ModelStatistics",
             "Observer",
             "OrchestrionError",

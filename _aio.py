@@ -170,6 +170,11 @@ class AioServer:
         """See `AsyncServer.model_repository`."""
         return self._server.model_repository
 
+    async def model_ready(self, name: str, version: int = -1) -> bool:
+        """See `AsyncServer.model_ready`."""
+        result: bool = await self._call(self._server.model_ready, name, version)
+        return result
+
     async def load_model(self, model: str | Model | Sequence[Model]) -> None:
         """See `AsyncServer.load_model`."""
         await self._call(self._server.load_model, model)

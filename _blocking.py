@@ -236,6 +236,11 @@ class Server:
         result: bool = self._sync("is_model_ready", name, version)
         return result
 
+    def model_ready(self, name: str, version: int = -1) -> bool:
+        """See `AsyncServer.model_ready`."""
+        result: bool = self._call("model_ready", name, version)
+        return result
+
     def load_model(self, model: str | Model | Sequence[Model]) -> None:
         """See `AsyncServer.load_model`."""
         self._call("load_model", model)

@@ -38,7 +38,6 @@ from .protocols import (
     ModelConfig,
     ModelStatistics,
     Observer,
-    OrchestrionError,
     RequestOptions,
     StepStatistics,
     new_request,
@@ -341,11 +340,12 @@ class AsyncServer:
 
     def is_model_ready(self, name: str, version: int = -1) -> bool:
         """Whether ``name`` (at ``version``) is loaded and serving."""
-        try:
-            self._registry.resolve(name, version)
-        except OrchestrionError:  # not loaded, or the server is closing
-            return False
-        return True
+        return self._registry.is_ready(name, version)
+
+    async def model_ready(self, name: str, version: int = -1) -> bool:
+        """What the readiness endpoints answer: `is_model_ready`, and the model's own check
+        (a python-backend model's ``is_ready()``, each instance, within 5 s) passes."""
+        return await self._registry.passes_readiness(name, version)
 
     async def load_model(self, model: str | Model | Sequence[Model]) -> None:
         """Load (or reload) a model: a repository folder by name, or Python definitions.

@@ -30,11 +30,13 @@ import trio
 from ..protocols import (
     InferRequest,
     ModelConfig,
+    ParameterizedOutputs,
     QueueFullError,
     QueuePolicy,
     QueueTimeoutError,
     Tensors,
     is_device_array,
+    parameters_of,
 )
 
 
@@ -328,6 +330,13 @@ def join_inputs(requests: Sequence[InferRequest], padded: int) -> dict[str, Any]
     return joined
 
 
+def batch_size(max_batch_size: int, inputs: Tensors) -> int:
+    """The number of inferences in a request: its batch size, or 1 without batching."""
+    if max_batch_size <= 0 or not inputs:
+        return 1
+    return int(next(iter(inputs.values())).shape[0])
+
+
 def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]:
     """Each request's rows of the batched outputs.
 
@@ -347,6 +356,9 @@ def split_outputs(outputs: Tensors, rows: Sequence[int]) -> list[dict[str, Any]]
     for count in rows:
         parts.append({name: take_rows(a, start, start + count) for name, a in views.items()})
         start += count
+    own = parameters_of(outputs)
+    if own and len(parts) == 1:  # one request's own response: its parameters are its own
+        return [ParameterizedOutputs(parts[0], own)]
     return parts
 
 

@@ -3,7 +3,8 @@
 How this works: `step_failed` prefixes a composing model's error with the ensemble and the
 step (``in ensemble 'e', step[1]: ...``), keeps the original as its cause, and keeps its
 kind where the client should see it: a step request that its model refused as invalid is a
-`StepRefusedError` (Triton passes on that request's INVALID_ARG). `left_out_note` adds which
+`StepRefusedError` (Triton passes on that request's INVALID_ARG), and a model's own error
+keeps its code (`ModelReportedError`). `left_out_note` adds which
 of the step's input tensors an earlier step's model left out of its answer, the usual reason
 for such a refusal (Triton's message says only that the input is missing).
 """
@@ -17,6 +18,7 @@ from ..protocols import (
     InferenceError,
     InvalidRequestError,
     ModelNotFoundError,
+    ModelReportedError,
     StepPlan,
     StepRefusedError,
 )
@@ -26,13 +28,20 @@ def step_failed(ensemble: str, plan: StepPlan, error: Exception, note: str = "")
     """``error`` of a step's model as the ensemble reports it: prefixed with the step, and
     followed by ``note`` (see `left_out_note`). A step request its model refused as invalid
     (or a nested ensemble's refused step) is a `StepRefusedError`."""
-    refused = isinstance(error, StepRefusedError) or (
-        isinstance(error, InvalidRequestError) and not isinstance(error, ModelNotFoundError)
-    )
-    wrapped = (StepRefusedError if refused else InferenceError)(
-        f"in ensemble '{ensemble}', step[{plan.index}]: {error}{note}",
-        model_name=plan.model_name,
-    )
+    where = f"in ensemble '{ensemble}', step[{plan.index}]: "
+    wrapped: InferenceError
+    if isinstance(error, ModelReportedError):  # the model's own words, and its code
+        # The step's model named, unless a nested ensemble's step reported it (named there).
+        own = error.model_name == plan.model_name
+        text = f"model '{error.model_name}': {error}" if own else str(error)
+        wrapped = ModelReportedError(f"{where}{text}", model_name=plan.model_name, code=error.code)
+    else:
+        refused = isinstance(error, StepRefusedError) or (
+            isinstance(error, InvalidRequestError) and not isinstance(error, ModelNotFoundError)
+        )
+        wrapped = (StepRefusedError if refused else InferenceError)(
+            f"{where}{error}{note}", model_name=plan.model_name
+        )
     wrapped.__cause__ = error
     return wrapped
 

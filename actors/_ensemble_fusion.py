@@ -33,11 +33,12 @@ import numpy as np
 import trio
 
 from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, Tensors
+from ._batch_queue import batch_size
 from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
 from ._fusion import Fusion, SignatureState
 from ._listed_fusion import ListedFusion, listed
-from ._runner import ModelRunner, batch_size
+from ._runner import ModelRunner
 
 
 def fusable(runner: object, max_batch_size: int) -> bool:

@@ -36,8 +36,10 @@ from ..protocols import (
     InferenceError,
     InferRequest,
     ModelConfig,
+    ParameterizedOutputs,
     TensorChecker,
     Tensors,
+    parameters_of,
 )
 from ._watchdog import THREAD_HINT, LoopHolder, loop_holder
 
@@ -347,7 +349,10 @@ class Instances:
         return work.state if work is not None else self.backend.initial_state()
 
     def error(self, exc: BaseException) -> InferenceError:
-        """``exc``, raised by the model's code, as this model's `InferenceError`."""
+        """``exc``, raised by the model's code, as this model's `InferenceError` (one the
+        backend made, in its own words, is kept)."""
+        if isinstance(exc, InferenceError):
+            return exc
         return InferenceError(
             f"model '{self.name}' (version {self.version}) failed: {type(exc).__name__}: {exc}",
             model_name=self.name,
@@ -360,12 +365,14 @@ class Instances:
             InferenceError: it breaks the config (names, types, shapes).
         """
         try:
-            return self.checker.outputs(raw)
+            outputs = self.checker.outputs(raw)
         except Exception as exc:  # whatever converting the model's result raised
             raise InferenceError(
                 f"model '{self.name}' (version {self.version}) returned a bad result: {exc}",
                 model_name=self.name,
             ) from exc
+        own = parameters_of(raw)  # the response parameters the model set travel along
+        return ParameterizedOutputs(outputs, own) if own else outputs
 
     def bad_batch(self, exc: Exception) -> InferenceError:
         """A batched result that cannot be split into its requests' rows."""

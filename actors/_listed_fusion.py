@@ -45,11 +45,11 @@ from ..protocols import (
     StepPlan,
     Tensors,
 )
-from ._batch_queue import OnePass, gathered_batches
+from ._batch_queue import OnePass, batch_size, gathered_batches
 from ._ensemble_errors import left_out_note, step_failed
 from ._fusion import FusedSteps
 from ._instances import Instance
-from ._runner import ModelRunner, batch_size
+from ._runner import ModelRunner
 
 _log = logging.getLogger("orchestrion")
 

@@ -124,6 +124,23 @@ class ModelRegistry:
         """
         return self._models.resolve(name, version)
 
+    def is_ready(self, name: str, version: int = -1) -> bool:
+        """Whether ``name`` (at ``version``) is loaded and serving."""
+        try:
+            self._models.resolve(name, version)
+        except OrchestrionError:  # not loaded, or the server is closing
+            return False
+        return True
+
+    async def passes_readiness(self, name: str, version: int = -1) -> bool:
+        """`is_ready`, and the model's code's own check passes (`Backend.ready`: a
+        python-backend model's ``is_ready()``); an ensemble is ready when loaded."""
+        try:
+            runner = self._models.resolve(name, version)
+        except OrchestrionError:
+            return False
+        return not isinstance(runner, ModelRunner) or await runner.backend.ready()
+
     def revision(self, runner: Runner) -> str:
         """The fingerprint of everything that computes ``runner``'s answers (see
         `LoadedModels.revision`)."""

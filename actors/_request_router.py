@@ -40,10 +40,11 @@ from ..protocols import (
     stored_outputs_problem,
 )
 from ..telemetry import UNSAMPLED, RequestTracing
+from ._batch_queue import batch_size
 from ._ensemble import EnsembleRunner
 from ._ensemble_fusion import fusable
 from ._loaded_models import LoadedModels, Runner
-from ._runner import ModelRunner, batch_size
+from ._runner import ModelRunner
 
 
 def caches(config: ModelConfig) -> bool:

@@ -37,9 +37,10 @@ from ..protocols import (
     TensorChecker,
     Tensors,
     model_facing,
+    parameters_of,
 )
 from ..telemetry import RequestTracing
-from ._batch_queue import BatchQueue, rows_of, split_outputs
+from ._batch_queue import BatchQueue, batch_size, rows_of, split_outputs
 from ._batcher import Batcher
 from ._definition import Model
 from ._instances import Instance, Instances, Timings, Work
@@ -485,6 +486,7 @@ class ModelRunner:
         return self.streams.stream(request)
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
+        parameters = self.response_parameters(request, parameters_of(outputs))
         wanted = request.requested_outputs
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
@@ -493,18 +495,16 @@ class ModelRunner:
             model_version=self.model.version,
             request_id=request.request_id,
             outputs=outputs,
-            parameters=self.response_parameters(request),
+            parameters=parameters,
         )
 
-    def response_parameters(self, request: InferRequest) -> dict[str, ParameterValue]:
-        """The parameters of a response to ``request``: a stateful model says which sequence
-        it answered; others none (a cache hit gets them here, never from the entry)."""
-        stateful = self.sequences is not None or self.sequence_batcher is not None
-        return request.sequence_parameters() if stateful else {}
-
-
-def batch_size(max_batch_size: int, inputs: Tensors) -> int:
-    """The number of inferences in a request: its batch size, or 1 without batching."""
-    if max_batch_size <= 0 or not inputs:
-        return 1
-    return int(next(iter(inputs.values())).shape[0])
+    def response_parameters(
+        self, request: InferRequest, own: Mapping[str, ParameterValue] | None = None
+    ) -> dict[str, ParameterValue]:
+        """The parameters of a response to ``request``: those the model set (``own``), and
+        a stateful model's say which sequence it answered (a cache hit gets them here,
+        never from the entry)."""
+        merged = dict(own) if own else {}
+        if self.sequences is not None or self.sequence_batcher is not None:
+            merged.update(request.sequence_parameters())
+        return merged

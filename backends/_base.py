@@ -186,6 +186,11 @@ class Backend(abc.ABC):
         """The metric families the model's code made (shown on ``/metrics``)."""
         return []
 
+    async def ready(self) -> bool:
+        """The model's code's own readiness check, where it has one (a python-backend
+        model's ``is_ready()``); loaded means ready for the others."""
+        return True
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """What the backend keeps running while it is loaded (an asyncio loop, the tasks of
         streams), in the runner's nursery: started once the instances are loaded, cancelled

@@ -2,7 +2,9 @@
 returns, the ones it sends through a request's sender, and a decoupled request's stream.
 
 How this works: an answer's outputs are taken in the data types the config declares where
-the values convert exactly (`outputs_of`). A request of a model that is not decoupled and
+the values convert exactly, with the batch dimension a one-row request's output left out
+(`Declared.outputs_of`); an error response is the model's own error with its code
+(`reported`), its parameters travel with the outputs. A request of a model that is not decoupled and
 answers through its sender has an `Answer` waiting for that one response. A decoupled
 request is a `PushedStream`: its execution runs in a task of the backend's nursery while the
 model's code, from any thread, pushes responses through the sender into a channel of no
@@ -18,12 +20,20 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import trio
 
-from ..protocols import InferRequest, ServerClosedError
+from ..protocols import (
+    ERROR_CODES,
+    InferRequest,
+    ModelConfig,
+    ModelReportedError,
+    ParameterizedOutputs,
+    ServerClosedError,
+)
 from ._base import LoadedInstance
-from ._triton_api import InferenceResponse, TritonModelException
+from ._triton_api import InferenceResponse, TritonError, TritonModelException
 from ._triton_calls import cancelled_here, in_trio_worker_thread
 from ._triton_requests import InferenceResponseSender
 
@@ -49,17 +59,64 @@ def _as_declared(array: np.ndarray[Any, Any], dtype: np.dtype[Any] | None) -> An
     return array
 
 
-def outputs_of(
-    response: InferenceResponse, declared: Mapping[str, np.dtype[Any]]
-) -> Mapping[str, Any] | Exception:
-    """A response's outputs (in the declared types, see `_as_declared`), or its error."""
-    error = response.error()
-    if error is not None:
-        return error
-    return {
-        t.name(): _as_declared(t.as_numpy(), declared.get(t.name()))
-        for t in response.output_tensors()
-    }
+def reported(error: TritonError, model_name: str) -> ModelReportedError:
+    """A response's ``TritonError`` as the error the client is shown: its message as the
+    model wrote it, its code (an unknown number is Triton's UNKNOWN)."""
+    code = error.code()
+    name = ERROR_CODES[code] if 0 <= code < len(ERROR_CODES) else "UNKNOWN"
+    return ModelReportedError(error.message(), model_name=model_name, code=name)
+
+
+@attrs.frozen
+class Declared:
+    """What a python-backend model's config declares of its outputs, to take its answers
+    as Triton passes them on: each output's numpy dtype and dims (its state outputs' too),
+    and whether the model batches."""
+
+    model_name: str
+    dtypes: Mapping[str, np.dtype[Any]]
+    dims: Mapping[str, tuple[int, ...]]
+    batching: bool
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Declared:
+        """The outputs ``config`` declares (the config the model's code sees)."""
+        return cls(
+            model_name=config.name,
+            dtypes={t.name: t.data_type.numpy_dtype for t in config.output},
+            dims={t.name: tuple(t.dims) for t in config.output},
+            batching=config.max_batch_size > 0,
+        )
+
+    def rows(self, request: InferRequest) -> int:
+        """How many rows a request of a batching model holds (1 without batching)."""
+        if not self.batching or not request.inputs:
+            return 1
+        return int(next(iter(request.inputs.values())).shape[0])
+
+    def outputs_of(self, response: InferenceResponse, rows: int) -> Mapping[str, Any] | Exception:
+        """A response's outputs (in the declared types, see `_as_declared`; an output of a
+        request of one row that left the batch dimension out gets it, where Triton passes
+        it on without), or its error."""
+        error = response.error()
+        if error is not None:
+            return reported(error, self.model_name)
+        outputs = {}
+        for tensor in response.output_tensors():
+            name = tensor.name()
+            array = _as_declared(tensor.as_numpy(), self.dtypes.get(name))
+            if self.batching and rows == 1 and _fits(array.shape, self.dims.get(name)):
+                array = array[np.newaxis]
+            outputs[name] = array
+        parameters = response.parameter_values()
+        return ParameterizedOutputs(outputs, parameters) if parameters else outputs
+
+
+def _fits(shape: tuple[int, ...], dims: tuple[int, ...] | None) -> bool:
+    """Whether ``shape`` is the declared ``dims`` themselves (no batch dimension)."""
+    if dims is None or len(shape) != len(dims):
+        return False
+    return all(d in (-1, s) for s, d in zip(shape, dims, strict=True))
 
 
 class Answer:
@@ -68,9 +125,12 @@ class Answer:
     thread; a synchronous execute's thread waits on the first, an async one's task on the
     second)."""
 
-    def __init__(self, token: trio.lowlevel.TrioToken | None, declared: Mapping[str, Any]) -> None:
+    def __init__(
+        self, token: trio.lowlevel.TrioToken | None, declared: Declared, rows: int
+    ) -> None:
         self.token = token
         self.declared = declared
+        self.rows = rows
         self.response: InferenceResponse | None = None
         self.problem: str | None = None
         self._done: threading.Event | None = None
@@ -110,7 +170,7 @@ class Answer:
             return TritonModelException(self.problem)
         if self.response is None:
             return TritonModelException("sent the final flag without a response")
-        return outputs_of(self.response, self.declared)
+        return self.declared.outputs_of(self.response, self.rows)
 
 
 def never() -> bool:
@@ -161,10 +221,13 @@ class PushedStream:
         return item  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
-        """The reader is done: later sends are dropped, the execution is cancelled (its
-        BLS calls with it) and waited for."""
+        """The reader is done: later sends are dropped. Before the final flag the execution
+        is cancelled (its BLS calls with it) and waited for; after it, the execution ends
+        on its own in the backend's nursery (whatever it raises then is logged)."""
         self._reader_gone = True
         self._receive.close()
+        if self._final:
+            return
         self._scope.cancel()
         if self._started:
             with trio.CancelScope(shield=True):
@@ -179,10 +242,12 @@ class PushedStream:
             with self._scope:
                 received = backend._received(request, self._sender)
                 instance = self._instance
-                async with instance.params.lock:  # one execute at a time per instance
-                    if backend.capabilities.is_async:
-                        result = await backend.call_async(instance, [received], request)
-                    else:
+                if backend.capabilities.is_async:
+                    # As Triton's: the executions of an instance share its asyncio loop, the
+                    # next starting while one waits (the stream window bounds how many).
+                    result = await backend.call_async(instance, [received], request)
+                else:
+                    async with instance.params.lock:  # one execute at a time per instance
                         result = await trio.to_thread.run_sync(
                             backend.call, instance, [received], request
                         )
@@ -192,21 +257,18 @@ class PushedStream:
                         "through each request's response sender"
                     )
         except Exception as exc:
+            failure = backend._failed(self._instance, exc)  # logged, after a final flag too
             if not self._sender.closed:
-                await self._push(exc, True)
-            else:
-                _log.warning(
-                    "model '%s': execute raised after its final response: %s",
-                    backend.model.name,
-                    exc,
-                )
+                await self._push(failure, True)
         finally:
             self._done.set()
 
     def _deliver(self, response: InferenceResponse | None, final: bool) -> None:
         """A sender's response, from any thread: wait until the reader takes it."""
-        declared = self._backend.declared
-        item = outputs_of(response, declared) if response is not None else None
+        item = None
+        if response is not None:
+            declared = self._backend.declared
+            item = declared.outputs_of(response, declared.rows(self._request))
         try:
             if in_trio_worker_thread():
                 trio.from_thread.run(self._push, item, final)

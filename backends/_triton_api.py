@@ -50,9 +50,11 @@ class TritonError(Exception):
     ALREADY_EXISTS = 6
     CANCELLED = 7
 
-    def __init__(self, msg: str, code: int = INTERNAL) -> None:
-        super().__init__(msg)
-        self._message = str(msg)
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        if message is None:
+            raise TypeError("TritonError: message must be a str, not None")
+        super().__init__(message)
+        self._message = str(message)
         self._code = int(code)
 
     def message(self) -> str:
@@ -174,18 +176,27 @@ class Tensor:
         return f"Tensor({self._name!r}, {self._array.dtype}{list(self._array.shape)})"
 
 
-def _parameters_json(parameters: Mapping[str, Any] | str | None) -> str:
+def _parameters_json(parameters: Any) -> str:
+    """The JSON text of a request's or response's ``parameters``, with Triton's checks: a
+    dict (None: empty) of str keys and bool, int or str values.
+
+    Raises:
+        TritonModelException: anything else, in Triton's words.
+    """
     if parameters is None:
         return "{}"
-    if isinstance(parameters, str):
-        json.loads(parameters)  # a JSON object given as text: checked, kept as it is
-        return parameters
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
     for key, value in parameters.items():
-        if not isinstance(key, str) or not isinstance(value, bool | int | str | float):
+        if not isinstance(key, str):
             raise TritonModelException(
-                f"parameter {key!r}: keys are strings and values bool, int, float or str"
+                f"Expect parameters keys to have type str, found type {type(key)}"
             )
-    return json.dumps(dict(parameters))
+        if not isinstance(value, bool | int | str):
+            raise TritonModelException(
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}"
+            )
+    return json.dumps(parameters)
 
 
 class InferenceResponse:
@@ -195,7 +206,7 @@ class InferenceResponse:
         self,
         output_tensors: Sequence[Tensor] | None = None,
         error: TritonError | str | None = None,
-        parameters: Mapping[str, Any] | str | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> None:
         tensors = list(output_tensors or [])
         for tensor in tensors:
@@ -222,6 +233,21 @@ class InferenceResponse:
     def parameters(self) -> str:
         """The response's parameters, as a JSON object's text."""
         return self._parameters
+
+    @classmethod
+    def of(cls, tensors: list[Tensor], parameters: Mapping[str, Any]) -> InferenceResponse:
+        """A response the server made (a BLS call's answer): its parameters as they came,
+        a DOUBLE one among them, without the checks that model code's responses get."""
+        response = cls(tensors)
+        response._parameters = json.dumps(dict(parameters))
+        return response
+
+    def parameter_values(self) -> dict[str, Any]:
+        """The parameters as a dict, for the response that leaves the server."""
+        if self._parameters == "{}":
+            return {}
+        values: dict[str, Any] = json.loads(self._parameters)
+        return values
 
 
 def get_input_tensor_by_name(inference_request: Any, name: str) -> Tensor | None:

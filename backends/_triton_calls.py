@@ -106,7 +106,7 @@ def error_response(error: BaseException) -> InferenceResponse:
 def model_response(response: InferResponse) -> InferenceResponse:
     """A server response as the model's code sees it."""
     tensors = [Tensor(name, on_host(array)) for name, array in response.outputs.items()]
-    return InferenceResponse(tensors, parameters=dict(response.parameters))
+    return InferenceResponse.of(tensors, response.parameters)
 
 
 @attrs.define(eq=False)

@@ -204,15 +204,21 @@ def auto_complete(model_class: type, config: ServedConfig, source: str) -> Serve
 
 
 def initialize_args(
-    config: ServedConfig, version: int, repository: Path | None, kind: InstanceKind, device: int
+    config: ServedConfig,
+    version: int,
+    folder: Path | None,
+    kind: InstanceKind,
+    device: int,
+    instance_name: str,
 ) -> dict[str, str]:
-    """Triton's ``args`` for ``initialize``: every key and value a string."""
+    """Triton's ``args`` for ``initialize``: every key and value a string (the model's
+    folder is its ``model_repository``; the kind is ``CPU`` or ``GPU``)."""
     return {
         "model_config": json.dumps(triton_json(config)),
-        "model_instance_kind": "KIND_GPU" if kind is InstanceKind.KIND_GPU else "KIND_CPU",
-        "model_instance_name": f"{config.name}_0_{device}",
+        "model_instance_kind": "GPU" if kind is InstanceKind.KIND_GPU else "CPU",
+        "model_instance_name": instance_name,
         "model_instance_device_id": str(device),
-        "model_repository": str(repository) if repository is not None else "",
+        "model_repository": str(folder) if folder is not None else "",
         "model_version": str(version),
         "model_name": config.name,
     }

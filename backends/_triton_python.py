@@ -36,6 +36,7 @@ import trio
 
 from ..protocols import (
     CustomMetricFamily,
+    InferenceError,
     InferRequest,
     InstanceKind,
     ModelLoadError,
@@ -47,11 +48,12 @@ from ..protocols import (
 )
 from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
 from ._function import devices, on_host, placement_problems
-from ._triton_answers import Answer, PushedStream, never, outputs_of
+from ._triton_answers import Answer, Declared, PushedStream, never
 from ._triton_api import InferenceResponse, TritonModelException
 from ._triton_calls import Execution, cancelled_here
 from ._triton_config import initialize_args
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
+from ._triton_readiness import Readiness
 from ._triton_requests import InferenceRequest, InferenceResponseSender
 
 if TYPE_CHECKING:
@@ -63,9 +65,12 @@ _log = logging.getLogger("orchestrion")
 @attrs.define(eq=False)
 class TritonInstance:
     """One instance: the model's object, and the lock that runs its executions one at a
-    time (decoupled executions; the runner does it for the others)."""
+    time (a decoupled model's synchronous ones; the runner does it for models that are not
+    decoupled, and a decoupled ``async def execute`` runs concurrently, as Triton's)."""
 
     model: Any
+    name: str
+    """Triton's name of the instance: ``<group name>_<index>`` (``add_sub_0_0``)."""
     lock: trio.Lock = attrs.field(factory=trio.Lock)
 
 
@@ -108,13 +113,14 @@ class TritonPythonBackend(Backend):
         self._facing = facing = model_facing(config)
         """What the model's code sees: also its sequence batcher's control and state
         tensors (``initialize`` still gets the config as written)."""
-        self.declared = {t.name: t.data_type.numpy_dtype for t in facing.output}
-        """Each output's numpy dtype, as the config declares it (and each state output's)."""
+        self.declared = Declared.of(facing)
+        """What the config declares of the outputs (and of the state outputs)."""
         self.metrics = MetricStore()
         self._scope = ModelScope(model.name, model.version, self.metrics)
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._readiness = Readiness(model.name, lambda: self._loop)
         self._instances: list[LoadedInstance] = []
 
     # -- loading and unloading -------------------------------------------------------------
@@ -135,18 +141,22 @@ class TritonPythonBackend(Backend):
         """
         config = self.config
         source = self.model.source
-        repository = Path(source).parents[2] if source.endswith(".py") else None
-        kinds = [g.kind for g in config.instance_group for _ in range(g.count)] or [
-            InstanceKind.KIND_CPU
-        ]
+        folder = Path(source).parents[1] if source.endswith(".py") else None
+        kinds = [
+            (g.kind, f"{g.name or f'{config.name}_{n}'}_{i}")  # Triton's instance names
+            for n, g in enumerate(config.instance_group)
+            for i in range(g.count)
+        ] or [(InstanceKind.KIND_CPU, f"{config.name}_0_0")]
         made: list[LoadedInstance] = []
         try:
-            for index, (kind, device) in enumerate(zip(kinds, devices(self.model), strict=False)):
+            placed = zip(kinds, devices(self.model), strict=False)
+            for index, ((kind, name), device) in enumerate(placed):
                 device_id = getattr(device, "id", 0) if kind is InstanceKind.KIND_GPU else 0
-                instance = TritonInstance(self._in_scope(self._class))
+                instance = TritonInstance(self._in_scope(self._class), name)
                 initialize = getattr(instance.model, "initialize", None)
                 if initialize is not None:
-                    args = initialize_args(config, self.model.version, repository, kind, device_id)
+                    version = self.model.version
+                    args = initialize_args(config, version, folder, kind, device_id, name)
                     self._in_scope(initialize, args)
                 made.append(LoadedInstance(index=index, device=device, params=instance))
         except Exception as exc:
@@ -202,6 +212,14 @@ class TritonPythonBackend(Backend):
         """The metric families the model's code made (``pb_utils.MetricFamily``)."""
         return self.metrics.snapshot()
 
+    async def ready(self) -> bool:
+        """Every instance's ``is_ready()`` answers True in time (see ``_triton_readiness``);
+        not ready once unloading."""
+        if self._nursery is None:
+            return False
+        instances = [(i.params.model, i.params.name) for i in self._instances]
+        return await self._readiness.check(self._nursery, instances)
+
     # -- one execution ---------------------------------------------------------------------
 
     def signature(self, inputs: Tensors) -> Hashable | None:
@@ -236,7 +254,8 @@ class TritonPythonBackend(Backend):
     def _prepared(
         self, requests: list[InferRequest]
     ) -> tuple[list[Answer], list[InferenceRequest]]:
-        answers = [Answer(self._token, self.declared) for _ in requests]
+        declared = self.declared
+        answers = [Answer(self._token, declared, declared.rows(r)) for r in requests]
         received = [
             self._received(r, InferenceResponseSender(a.deliver, never))
             for r, a in zip(requests, answers, strict=True)
@@ -251,7 +270,7 @@ class TritonPythonBackend(Backend):
         try:
             result = self.call(instance, received, requests[0])
         except Exception as exc:
-            return [exc] * len(requests)
+            return [self._failed(instance, exc)] * len(requests)
         if result is None:  # each request answered through its sender
             return [a.wait() for a in answers]
         return self._returned(result, answers)
@@ -264,12 +283,24 @@ class TritonPythonBackend(Backend):
         try:
             result = await self.call_async(instance, received, requests[0])
         except Exception as exc:
-            return [exc] * len(requests)
+            return [self._failed(instance, exc)] * len(requests)
         if result is None:
             for answer in answers:
                 await answer.trio_done.wait()
             return [a.outcome() for a in answers]
         return self._returned(result, answers)
+
+    def _failed(self, instance: LoadedInstance, exc: Exception) -> InferenceError:
+        """``execute`` raised: the error of each of its requests, in Triton's words (and in
+        the log, with the traceback)."""
+        message = (
+            f"Failed to process the request(s) for model '{instance.params.name}', "
+            f"message: {type(exc).__name__}: {exc}"
+        )
+        _log.error("%s", message, exc_info=exc)
+        failure = InferenceError(message, model_name=self.model.name)
+        failure.__cause__ = exc
+        return failure
 
     def _returned(
         self, result: Any, answers: Sequence[Answer]
@@ -285,7 +316,7 @@ class TritonPythonBackend(Backend):
         outcomes: list[Mapping[str, Any] | Exception] = []
         for item, answer in zip(result, answers, strict=True):
             if isinstance(item, InferenceResponse):
-                outcomes.append(outputs_of(item, self.declared))
+                outcomes.append(self.declared.outputs_of(item, answer.rows))
             elif item is None and answer.response is not None:
                 outcomes.append(answer.outcome())
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -49,7 +49,8 @@ from ..protocols._kserve_status import error_message, grpc_status
 from ..protocols._model_load import load_override_from_grpc
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_handlers import method_handlers
-from ._grpc_streams import END, SHUTTING_DOWN, OpenStreams, Stream
+from ._grpc_streams import END, OpenStreams, Stream
+from ._logging import grpc_log_changes, grpc_log_settings, logging_extension
 from ._offload import off_loop
 from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
@@ -64,6 +65,12 @@ limit to 2 GiB - 1, but a request costs the server 6-7 times its size in memory 
 (the message as gRPC received it, as protobuf parsed it, its tensor, the answer on its way
 out), and grpcio's copies hold the GIL (about 1.8 s per 256 MiB): one 2 GiB request could get
 the server killed for memory, and stalls every other client for seconds."""
+
+
+def status_on_error(metadata: Iterable[tuple[str, Any]]) -> bool:
+    """Whether a stream's headers ask for Triton's ``triton_grpc_error: true``: its first
+    error ends it with the error's gRPC status."""
+    return any(k == "triton_grpc_error" and str(v).lower() == "true" for k, v in metadata)
 
 
 def _traceparent(context: Any) -> str | None:
@@ -151,10 +158,15 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         """Whether a model (version) is ready."""
 
-        def ready() -> bool:
-            return self.server.is_model_ready(request.name, parse_version(request.version))
+        async def ready() -> bool:
+            return await self.server.model_ready(request.name, parse_version(request.version))
 
-        return service_pb2.ModelReadyResponse(ready=await self._read(context, ready))
+        try:
+            answer = await self.bridge.call(ready)
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # abort raises; this line is never reached
+        return service_pb2.ModelReadyResponse(ready=answer)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         """Server name, version and extensions."""
@@ -296,10 +308,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         )
 
     async def LogSettings(self, request: Any, context: Any) -> Any:
-        """Refused: logging is configured at start (``--log-verbose``)."""
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "log settings are set at start with --log-verbose"
-        )
+        """Triton's logging extension: the log settings, after the changes asked for."""
+        changes = grpc_log_changes(request.settings)
+        return grpc_log_settings(await self._read(context, logging_extension, changes))
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """A bidirectional stream: decoupled models, sequences, or any model."""
@@ -310,6 +321,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             lambda item: loop.call_soon_threadsafe(responses.put_nowait, item),
             self._streams,
             self._wire,
+            status_on_error=status_on_error(context.invocation_metadata() or ()),
         )
         traceparent = _traceparent(context)
 
@@ -331,11 +343,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
                 # Sent (grpcio's write waits for HTTP/2 flow control): a credit back to the
                 # producers, who wait for one before each response (backpressure).
                 self.bridge.run_soon(stream.credit.release)
-            if stream.stopping:
-                # Every request read so far is answered (those after the stop as refusals);
-                # whatever the client still sends is refused by the status.
+            ending = stream.ending()
+            if ending is not None:
+                # After a graceful stop, every request read so far is answered (those after
+                # the stop as refusals) and whatever the client still sends is refused by
+                # the status; under triton_grpc_error, the first error's status ends it.
                 reader.cancel()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+                await context.abort(getattr(grpc.StatusCode, ending[0]), ending[1])
             await asyncio.wait([reader])
             reader.result()
             await session

@@ -34,7 +34,7 @@ from ..protocols._kserve_grpc import (
     final_response,
 )
 from ..protocols._kserve_requests import WireRequest
-from ..protocols._kserve_status import error_message
+from ..protocols._kserve_status import error_message, grpc_status
 from ._offload import off_loop
 from ._wire_infer import WireInfer
 
@@ -110,8 +110,13 @@ class Stream:
     """The front end's open streams, to `stop` on a graceful stop."""
     wire: WireInfer
     """Runs each request (shared memory, classification) on ``server``."""
+    status_on_error: bool = False
+    """Triton's ``triton_grpc_error: true`` header: the first error ends the stream with
+    its gRPC status (`failure`) instead of travelling in it as one response's message."""
     credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
     stopping: bool = False
+    failure: tuple[str, str] | None = None
+    """The gRPC status code name and message the stream ended with (`status_on_error`)."""
     _nursery: trio.Nursery | None = None
     _window: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_WINDOW))
     _lanes: dict[int | str, collections.deque[tuple[WireRequest, str | None]]] = attrs.field(
@@ -142,6 +147,13 @@ class Stream:
         self.stopping = True
         self._input_closed.set()
 
+    def ending(self) -> tuple[str, str] | None:
+        """The gRPC status code name and message the stream ends with, where not OK: the
+        first error's (`status_on_error`), or UNAVAILABLE after a graceful stop."""
+        if self.failure is not None:
+            return self.failure
+        return ("UNAVAILABLE", SHUTTING_DOWN) if self.stopping else None
+
     async def emit(self, message: Any) -> None:
         """Send one response, once the client has read enough of the earlier ones."""
         await self.credit.acquire()
@@ -153,7 +165,7 @@ class Stream:
         assert self._nursery is not None
         if self.stopping:
             refusal = ServerClosedError(SHUTTING_DOWN)
-            await self.emit(_error_response(message.model_name, "", message.id, refusal))
+            await self._failed(message.model_name, "", message.id, refusal)
             return
         await self._window.acquire()
         try:
@@ -164,9 +176,7 @@ class Stream:
             self._window.release()
             if not isinstance(exc, OrchestrionError):
                 _log.error("decoding a stream request failed unexpectedly", exc_info=exc)
-            await self.emit(
-                _error_response(message.model_name, message.model_version, message.id, exc)
-            )
+            await self._failed(message.model_name, message.model_version, message.id, exc)
             return
         sequence_id = wire.options.sequence_id
         if sequence_id:
@@ -219,21 +229,28 @@ class Stream:
             error = InferenceTimeoutError(
                 f"request for model '{wire.model_name}' timed out after {wire.options.timeout} s"
             )
-            await self.emit(
-                _error_response(
-                    wire.model_name, str(wire.options.model_version), wire.options.request_id, error
-                )
-            )
+            version, request_id = str(wire.options.model_version), wire.options.request_id
+            await self._failed(wire.model_name, version, request_id, error)
         except Exception as exc:
             if not isinstance(exc, OrchestrionError):
                 _log.error("stream request failed unexpectedly", exc_info=exc)
-            await self.emit(
-                _error_response(
-                    wire.model_name, str(wire.options.model_version), wire.options.request_id, exc
-                )
-            )
+            version, request_id = str(wire.options.model_version), wire.options.request_id
+            await self._failed(wire.model_name, version, request_id, exc)
         finally:
             self._window.release()
+
+    async def _failed(self, model: str, version: str, request_id: str, error: Exception) -> None:
+        """A request failed: its error response; or, under `status_on_error`, the end of
+        the stream with the error's status (the stream's other requests cancelled)."""
+        if not self.status_on_error:
+            await self.emit(_error_response(model, version, request_id, error))
+            return
+        if self.failure is None:
+            self.failure = (grpc_status(error), error_message(error))
+            self.stopping = True
+            self._input_closed.set()
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
 
 
 def _stream_response(message: Any) -> Any:

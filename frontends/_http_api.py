@@ -60,6 +60,7 @@ from ._http_server import (
     HttpServer,
     default_max_connections,
 )
+from ._logging import logging_extension
 from ._offload import off_loop
 from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
@@ -152,6 +153,11 @@ class HttpApi:
         if route == "/v2":
             _expect(method, "GET")
             return _json(server_metadata(self.version, self.name))
+        if route == "/v2/logging":
+            if method not in ("GET", "POST"):
+                raise _HttpError(405, f"method {method} not allowed: GET or POST")
+            changes = await self._json_body(request) if method == "POST" else None
+            return _json(logging_extension(changes))
         raise _HttpError(404, f"no route for {path}")
 
     async def _shared_memory(self, request: HttpRequest) -> Answer:
@@ -194,7 +200,7 @@ class HttpApi:
             return await self._infer(name, match["version"] or "", request)
         _expect(request.method, "GET")
         if action == "ready":
-            return (200 if self.server.is_model_ready(name, version) else 400), [], []
+            return (200 if await self.server.model_ready(name, version) else 400), [], []
         if action == "stats":
             statistics = self.server.model_statistics(name, version if version > 0 else None)
             return _json(model_statistics_json(statistics))

@@ -31,8 +31,8 @@ from ..protocols import ConfigError, OrchestrionError
 from ..protocols._kserve_status import error_message, grpc_status
 from ._control import Shutdown
 from ._grpc_handlers import Method, methods
-from ._grpc_service import InferenceService
-from ._grpc_streams import END, SHUTTING_DOWN, Stream
+from ._grpc_service import InferenceService, status_on_error
+from ._grpc_streams import END, Stream
 from ._http_api import HttpApi
 from ._http_server import HttpRequest, _Episode
 from ._native_cache import CacheTier, open_cache_tier
@@ -50,7 +50,6 @@ _CLOSE_TIMEOUT = 1.0
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
-_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 def available() -> bool:
@@ -249,11 +248,12 @@ class _Dispatcher:
             )
             return
         metadata = _metadata(headers)
-        refusal = self.service.restrictions.refusal(method.category, _header_of(metadata))
+        header = _header_of(metadata)
+        refusal = self.service.restrictions.refusal(method.category, header)
         if refusal is not None:
             self.frontend.stream_close(id_, _UNAVAILABLE, refusal)
             return
-        stream = _NativeStream(self, id_, method, _traceparent(metadata))
+        stream = _NativeStream(self, id_, method, header("traceparent"), status_on_error(metadata))
         self._streams[id_] = stream
         self._start(id_, stream.run)
 
@@ -317,10 +317,6 @@ def _header_of(metadata: list[tuple[str, str]]) -> Callable[[str], str | None]:
     return header
 
 
-def _traceparent(metadata: list[tuple[str, str]]) -> str | None:
-    return _header_of(metadata)("traceparent")
-
-
 @attrs.define(eq=False)
 class _NativeStream:
     """One ModelStreamInfer stream: the front end's messages fed to a `Stream`, its
@@ -330,6 +326,7 @@ class _NativeStream:
     id: int
     method: Method
     traceparent: str | None
+    status_on_error: bool
     stream: Stream = attrs.field(init=False)
     _arrived: collections.deque[bytes] = attrs.field(factory=collections.deque)
     """Messages handed over and not yet submitted (at most the front end's read-ahead)."""
@@ -340,17 +337,22 @@ class _NativeStream:
     def __attrs_post_init__(self) -> None:
         service = self.dispatcher.service
         assert service is not None
-        self.stream = Stream(service.server, self._post, service._streams, service._wire)
+        self.stream = Stream(
+            service.server,
+            self._post,
+            service._streams,
+            service._wire,
+            status_on_error=self.status_on_error,
+        )
 
     def _post(self, item: Any) -> None:
         frontend = self.dispatcher.frontend
         if item is END:
-            if self.stream.stopping:
-                frontend.stream_close(self.id, _UNAVAILABLE, SHUTTING_DOWN)
-            elif self._error is not None:
-                frontend.stream_close(self.id, _INTERNAL, self._error)
-            else:
-                frontend.stream_close(self.id, 0, "")
+            ending = self.stream.ending()  # a graceful stop; triton_grpc_error's first error
+            if ending is None and self._error is not None:
+                ending = ("INTERNAL", self._error)  # the client's framing broke
+            code, message = ending or ("OK", "")
+            frontend.stream_close(self.id, getattr(grpc.StatusCode, code).value[0], message)
             return
         frontend.stream_send(self.id, item.SerializeToString())
 

@@ -45,6 +45,7 @@ from ._ensemble import EnsembleGraph as EnsembleGraph
 from ._ensemble import StepPlan as StepPlan
 from ._ensemble import is_decoupled as is_decoupled
 from ._ensemble_validation import validate_ensemble as validate_ensemble
+from ._errors import ERROR_CODES as ERROR_CODES
 from ._errors import CacheUnavailableError as CacheUnavailableError
 from ._errors import CacheWriteRefusedError as CacheWriteRefusedError
 from ._errors import ConfigError as ConfigError
@@ -56,6 +57,7 @@ from ._errors import LoadRequestError as LoadRequestError
 from ._errors import ModelControlError as ModelControlError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import ModelNotFoundError as ModelNotFoundError
+from ._errors import ModelReportedError as ModelReportedError
 from ._errors import OrchestrionError as OrchestrionError
 from ._errors import QueueFullError as QueueFullError
 from ._errors import QueueTimeoutError as QueueTimeoutError
@@ -68,8 +70,10 @@ from ._errors import ungrouped as ungrouped
 from ._kserve_documents import model_config_json as model_config_json
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse
+from ._messages import ParameterizedOutputs as ParameterizedOutputs
 from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
+from ._messages import parameters_of as parameters_of
 from ._observer import Observer as Observer
 from ._requests import RequestOptions as RequestOptions
 from ._requests import check_field_names as check_field_names

@@ -100,6 +100,34 @@ class StepRefusedError(InferenceError):
     """
 
 
+ERROR_CODES = (
+    "UNKNOWN",
+    "INTERNAL",
+    "NOT_FOUND",
+    "INVALID_ARG",
+    "UNAVAILABLE",
+    "UNSUPPORTED",
+    "ALREADY_EXISTS",
+    "CANCELLED",
+)
+"""Triton's error codes (``TRITONSERVER_Error_Code``), by name, in their numeric order."""
+
+
+class ModelReportedError(InferenceError):
+    """The error a model answered a request with, under one of Triton's error codes (a
+    python-backend model's ``InferenceResponse(error=pb_utils.TritonError(msg, code))``).
+
+    The model's own words: the client is shown the message as the model wrote it, with the
+    code's HTTP status and gRPC status code (as Triton shows it).
+    """
+
+    def __init__(self, message: str, *, model_name: str, code: str = "INTERNAL") -> None:
+        super().__init__(message, model_name=model_name)
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown error code {code!r}: one of {', '.join(ERROR_CODES)}")
+        self.code = code
+
+
 class InferenceTimeoutError(OrchestrionError, TimeoutError):
     """A request did not finish within its ``timeout``.
 

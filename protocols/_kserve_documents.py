@@ -25,6 +25,7 @@ PROTOCOL_VERSION = "2"
 EXTENSIONS = (
     "classification",
     "binary_tensor_data",
+    "logging",
     "parameters",
     "statistics",
     "model_configuration",

@@ -17,6 +17,7 @@ from ._errors import (
     ModelControlError,
     ModelLoadError,
     ModelNotFoundError,
+    ModelReportedError,
     OrchestrionError,
     QueueFullError,
     RegionNotFoundError,
@@ -29,7 +30,9 @@ from ._errors import (
 def http_status(error: BaseException) -> int:
     """Triton's HTTP status for an error: 404 unknown model, 400 bad request (also a step's
     request that its composing model refused, as Triton passes its status on), 503 busy or
-    closing, 500 the pipeline failed, 501 not offered."""
+    closing, 500 the pipeline failed, 501 not offered; a model's own error by its code."""
+    if isinstance(error, ModelReportedError):
+        return _HTTP_OF_CODE.get(error.code, 400)
     if isinstance(error, ModelNotFoundError | RegionNotFoundError):
         return 404
     if isinstance(error, UnsupportedError):
@@ -45,8 +48,27 @@ def http_status(error: BaseException) -> int:
     return 500
 
 
+_HTTP_OF_CODE = {"INTERNAL": 500, "NOT_FOUND": 404, "UNAVAILABLE": 503, "UNSUPPORTED": 501}
+"""The HTTP status of a Triton error code; every other code is a 400, as in Triton's
+``HttpCodeFromError``."""
+
+_GRPC_OF_CODE = {
+    "UNKNOWN": "UNKNOWN",
+    "INTERNAL": "INTERNAL",
+    "NOT_FOUND": "NOT_FOUND",
+    "INVALID_ARG": "INVALID_ARGUMENT",
+    "UNAVAILABLE": "UNAVAILABLE",
+    "UNSUPPORTED": "UNIMPLEMENTED",
+    "ALREADY_EXISTS": "ALREADY_EXISTS",
+    "CANCELLED": "CANCELLED",
+}
+"""The gRPC status code of a Triton error code (Triton's ``GrpcStatusUtil::CodeToStatus``)."""
+
+
 def grpc_status(error: BaseException) -> str:
     """The gRPC status code name (``grpc.StatusCode`` member) Triton uses for an error."""
+    if isinstance(error, ModelReportedError):
+        return _GRPC_OF_CODE[error.code]
     return {
         404: "NOT_FOUND",
         400: "INVALID_ARGUMENT",

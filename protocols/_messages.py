@@ -104,6 +104,23 @@ class InferRequest:
         )
 
 
+class ParameterizedOutputs(dict[str, Any]):
+    """A model's outputs for one request together with the response parameters the model
+    set (a python-backend model's ``InferenceResponse(..., parameters={...})``): the runner
+    puts them on the `InferResponse`. Plain outputs (any other mapping) set none."""
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, outputs: Mapping[str, Any], parameters: Mapping[str, ParameterValue]):
+        super().__init__(outputs)
+        self.parameters = parameters
+
+
+def parameters_of(outputs: Tensors) -> Mapping[str, ParameterValue]:
+    """The response parameters that came with ``outputs`` (see `ParameterizedOutputs`)."""
+    return outputs.parameters if type(outputs) is ParameterizedOutputs else {}
+
+
 def _summary(tensors: Tensors) -> str:
     """Names, shapes and dtypes of tensors, never their values."""
     return "{" + ", ".join(f"{k!r}: {v.dtype}{list(v.shape)}" for k, v in tensors.items()) + "}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -48,8 +48,19 @@ class MetricsSource(Protocol):
     def custom_metrics(self) -> list[CustomMetricFamily]: ...
 
 
+class _Family(Metric):
+    """A metric family whose samples list their labels in name order, a bucket's ``le``
+    last, as Triton's (prometheus-cpp) do: ``{model="m",reason="BACKEND",version="1"}``,
+    byte for byte what scripts written against Triton's endpoint match."""
+
+    def add_sample(self, name: str, labels: dict[str, str], *args: Any, **kwargs: Any) -> None:
+        """A sample, its labels in Triton's order."""
+        ordered = dict(sorted(labels.items(), key=lambda item: (item[0] == "le", item[0])))
+        super().add_sample(name, ordered, *args, **kwargs)
+
+
 def _family(name: str, documentation: str, kind: str) -> Metric:
-    return Metric(name, documentation, kind)
+    return _Family(name, documentation, kind)
 
 
 def _us(ns: int) -> int:

@@ -36,6 +36,7 @@ def test_public_names() -> None:
             "ModelControlError",
             "ModelLoadError",
             "ModelNotFoundError",
+            "ModelReportedError",
             "ModelStatistics",
             "Observer",
             "OrchestrionError",

@@ -84,8 +84,11 @@ async def test_initialize_gets_tritons_args_once_per_instance() -> None:
         assert all(isinstance(v, str) for v in args.values())
         assert args["model_name"] == "recorder"
         assert args["model_version"] == "1"
-        assert args["model_instance_kind"] == "KIND_CPU"
+        assert args["model_instance_kind"] == "CPU"  # Triton's words: CPU, GPU
         assert args["model_instance_device_id"] == "0"
+        # Triton's instance names: <model>_<group index>_<instance index>.
+        assert [a["model_instance_name"] for _, a in made] == ["recorder_0_0", "recorder_0_1"]
+        assert args["model_repository"] == ""  # defined in Python: no folder
         config = json.loads(args["model_config"])
         assert config["input"][0]["dims"] == [1]
         assert config["input"][0]["data_type"] == "TYPE_FP32"
@@ -179,9 +182,13 @@ async def test_dynamic_batching_hands_execute_several_requests_each_answered_alo
                 nursery.start_soon(one, i)
         stats = server.model_statistics("batched")[0]
     error = results.pop(5)
-    assert isinstance(error, InferenceError)
-    assert "model 'batched'" in str(error)
-    assert "INPUT0 must not be negative" in str(error)
+    # The model's own error: its words as it wrote them (as Triton shows them), its model named.
+    assert isinstance(error, orchestrion.ModelReportedError)
+    assert (str(error), error.model_name, error.code) == (
+        "INPUT0 must not be negative",
+        "batched",
+        "INVALID_ARG",
+    )
     for i, out in results.items():
         assert out["OUTPUT0"].tolist() == [[i + 1.0] * 4]
     assert max(int(out["REQUESTS"][0, 0]) for out in results.values()) > 1
@@ -191,29 +198,58 @@ async def test_dynamic_batching_hands_execute_several_requests_each_answered_alo
 
 
 @pytest.mark.parametrize(
-    ("mode", "message"),
+    ("mode", "message", "detail"),
     [
-        (1, "TritonModelException: mode 1 raises"),
-        (2, "mode 2 is an error response"),
-        (3, "data type FP64, expected INT32"),
-        (4, "shape"),
-        (5, "returned 0 for 1 requests"),
-        (6, "returned str for a request"),
+        # Triton's words for an execute that raised: the instance named.
+        (
+            1,
+            "Failed to process the request(s) for model 'errors_0_0', "
+            "message: TritonModelException: mode 1 raises",
+            "",
+        ),
+        (2, "mode 2 is an error response", ""),  # the model's own words, as Triton's
+        (3, "model 'errors' (version 1) returned a bad result: ", "FP64, expected INT32"),
+        (4, "model 'errors' (version 1) returned a bad result: ", "shape"),
+        (5, "model 'errors' (version 1) failed: ", "execute returned 0 for 1 requests"),
+        (6, "model 'errors' (version 1) failed: ", "execute returned str for a request"),
     ],
 )
 async def test_a_wrong_answer_is_an_error_naming_the_model_and_the_model_serves_on(
-    mode: int, message: str
+    mode: int, message: str, detail: str
 ) -> None:
     """errors: raising, an error response, an output whose values do not fit its type, the
     wrong shape, the wrong number of responses, something not a response: each a clear
-    error naming the model; the next request is answered."""
+    error naming the model (its instance where Triton does; an error response as the
+    model wrote it); the next request is answered."""
     async with _repository("errors") as server:
         with pytest.raises(InferenceError) as caught:
             await server.infer("errors", {"MODE": np.array([mode], np.int32)})
-        assert "model 'errors' (version 1)" in str(caught.value)
-        assert message in str(caught.value)
+        assert str(caught.value).startswith(message)
+        assert detail in str(caught.value)
+        assert caught.value.model_name == "errors"
         out = await server.infer("errors", {"MODE": np.array([0], np.int32)})
         assert out.outputs["OUT"].tolist() == [0]
+
+
+async def test_a_one_row_answer_without_its_batch_dimension_gets_it() -> None:
+    """A batching model that answers a request of one row with the output's dims alone
+    (shape [1] for dims [1], as Triton's QA model is_ready_fn_returns_true_decoupled does;
+    Triton passes it on as it is): the output gets its batch dimension. For two rows the
+    shape is ambiguous, and refused."""
+
+    class Unbatched:
+        def execute(self, requests: list[Any]) -> list[Any]:
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([7], np.float32))])]
+
+    definition = triton_model(
+        "unbatched", Unbatched, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], max_batch_size=4
+    )
+    async with orchestrion.open_server(models=[definition]) as server:
+        out = (await server.infer("unbatched", {"X": np.ones((1, 1), np.float32)})).outputs["Y"]
+        assert out.shape == (1, 1)
+        assert out.tolist() == [[7.0]]
+        with pytest.raises(InferenceError, match=r"output 'Y' has shape \[1\]"):
+            await server.infer("unbatched", {"X": np.ones((2, 1), np.float32)})
 
 
 async def test_an_output_is_given_in_its_declared_type_when_its_values_fit() -> None:
