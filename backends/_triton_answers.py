@@ -2,8 +2,8 @@
 returns, the ones it sends through a request's sender, and a decoupled request's stream.
 
 How this works: an answer's outputs are taken in the data types the config declares where
-the values convert exactly, with the batch dimension a one-row request's output left out
-(`Declared.outputs_of`); an error response is the model's own error with its code
+the values convert exactly, and in the declared shape where they hold exactly that row by
+row (`Declared.outputs_of`); an error response is the model's own error with its code
 (`reported`), its parameters travel with the outputs. A request of a model that is not decoupled and
 answers through its sender has an `Answer` waiting for that one response. A decoupled
 request is a `PushedStream`: its execution runs in a task of the backend's nursery while the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -95,9 +96,8 @@ class Declared:
         return int(next(iter(request.inputs.values())).shape[0])
 
     def outputs_of(self, response: InferenceResponse, rows: int) -> Mapping[str, Any] | Exception:
-        """A response's outputs (in the declared types, see `_as_declared`; an output of a
-        request of one row that left the batch dimension out gets it, where Triton passes
-        it on without), or its error."""
+        """A response's outputs (in the declared types, see `_as_declared`, and shapes,
+        see `_in_declared_shape`), or its error."""
         error = response.error()
         if error is not None:
             return reported(error, self.model_name)
@@ -105,18 +105,28 @@ class Declared:
         for tensor in response.output_tensors():
             name = tensor.name()
             array = _as_declared(tensor.as_numpy(), self.dtypes.get(name))
-            if self.batching and rows == 1 and _fits(array.shape, self.dims.get(name)):
-                array = array[np.newaxis]
+            dims = self.dims.get(name)
+            if self.batching and dims is not None and array.ndim != len(dims) + 1:
+                array = _in_declared_shape(array, dims, rows)
             outputs[name] = array
         parameters = response.parameter_values()
         return ParameterizedOutputs(outputs, parameters) if parameters else outputs
 
 
-def _fits(shape: tuple[int, ...], dims: tuple[int, ...] | None) -> bool:
-    """Whether ``shape`` is the declared ``dims`` themselves (no batch dimension)."""
-    if dims is None or len(shape) != len(dims):
-        return False
-    return all(d in (-1, s) for s, d in zip(shape, dims, strict=True))
+def _in_declared_shape(array: np.ndarray[Any, Any], dims: tuple[int, ...], rows: int) -> Any:
+    """A batching model's output for a request of ``rows`` rows that is not shaped
+    ``[rows, *dims]`` but holds exactly that, row by row: the output in that shape (Triton
+    passes it on as it is: ``[4]`` for dims ``[1]``, as its QA model async_execute_decouple
+    answers, or ``[1]`` for one row); anything else as it is, for the output check."""
+    if all(d >= 0 for d in dims):
+        whole = rows * math.prod(dims) == array.size
+        by_rows = rows == 1 or (array.ndim > 0 and array.shape[0] == rows)
+        return array.reshape((rows, *dims)) if whole and by_rows else array
+    # Variable dims: only a one-row answer that is the dims themselves is unambiguous.
+    fits = rows == 1 and len(array.shape) == len(dims)
+    if fits and all(d in (-1, s) for s, d in zip(array.shape, dims, strict=True)):
+        return array[np.newaxis]
+    return array
 
 
 class Answer:

@@ -232,6 +232,14 @@ class Execution:
         self.nursery.start_soon(_pump, calls, wire, send, scope)
         return ResponseIterator(self, receive, scope)
 
+    async def open_stream_answered(self, request: InferenceRequest) -> ResponseIterator:
+        """`open_stream`, given once the first response has come (or the call has ended),
+        as Triton's ``async_exec(decoupled=True)``: an async caller that then iterates does
+        not hold its asyncio loop waiting for that first one."""
+        iterator = await self.open_stream(request)
+        await iterator.take_first()
+        return iterator
+
 
 async def _pump(
     calls: ServerCalls,
@@ -263,11 +271,22 @@ class ResponseIterator:
         self._receive = receive
         self._scope = scope
         self._ended = False
+        self._first: InferenceResponse | None = None
+
+    async def take_first(self) -> None:
+        """Wait (on trio) for the first response, which `__next__` then gives at once."""
+        try:
+            self._first = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._ended = True
 
     def __iter__(self) -> ResponseIterator:
         return self
 
     def __next__(self) -> InferenceResponse:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         if self._ended:
             raise StopIteration
         try:

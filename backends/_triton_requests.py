@@ -248,7 +248,8 @@ class InferenceRequest:
 
     def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
         """`exec` for an ``async def execute``: an awaitable of the response (or, with
-        ``decoupled=True``, of the iterator of responses).
+        ``decoupled=True``, of the iterator of responses, once the first has come, as
+        Triton's).
 
         Raises:
             TritonModelException: called outside a model's ``execute``.
@@ -257,7 +258,7 @@ class InferenceRequest:
 
         async def call() -> Any:
             if decoupled:
-                return await execution.bridge.call(execution.open_stream, self)
+                return await execution.bridge.call(execution.open_stream_answered, self)
             return await execution.bridge.call(execution.infer, self)
 
         return call()

@@ -100,3 +100,46 @@ async def test_an_execute_that_raises_after_its_final_flag_is_logged(
         "Failed to process the request(s) for model 'late_0_0', "
         "message: ValueError: wait_secs cannot be negative"
     ) in caplog.text
+
+
+async def test_async_bls_callers_wait_for_a_decoupled_callee_without_holding_their_loop() -> None:
+    """Four requests, 50 ms apart, to a decoupled caller whose ``async def execute`` awaits
+    ``async_exec(decoupled=True)`` of the gathering model and then iterates its responses:
+    ``async_exec`` gives the iterator once the first response has come (as Triton's), so no
+    caller holds its asyncio loop while the callee works, and the four callee executions
+    meet."""
+    callee, seen = _gathering(4)
+
+    class Caller:
+        async def execute(self, requests: list[Any]) -> None:
+            for request in requests:
+                call = pb_utils.InferenceRequest(
+                    model_name="gathering",
+                    inputs=[pb_utils.Tensor("X", np.ones(1, np.float32))],
+                    requested_output_names=["Y"],
+                )
+                sender = request.get_response_sender()
+                for response in await call.async_exec(decoupled=True):
+                    y = pb_utils.get_output_tensor_by_name(response, "Y")
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y.as_numpy())]))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    models = [
+        triton_model("gathering", callee, X, Y, model_transaction_policy=DECOUPLED),
+        triton_model("caller", Caller, X, Y, model_transaction_policy=DECOUPLED),
+    ]
+    answers: list[float] = []
+    async with orchestrion.open_server(models=models) as server:
+
+        async def one() -> None:
+            stream = server.stream_infer("caller", {"X": np.ones(1, np.float32)})
+            async with contextlib.aclosing(stream) as responses:
+                answers.extend([float(r.outputs["Y"][0]) async for r in responses])
+
+        with trio.fail_after(4):
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(one)
+                    await trio.sleep(0.05)
+    assert seen["most"] == 4
+    assert answers == [4.0] * 4

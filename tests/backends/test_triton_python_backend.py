@@ -231,25 +231,43 @@ async def test_a_wrong_answer_is_an_error_naming_the_model_and_the_model_serves_
         assert out.outputs["OUT"].tolist() == [0]
 
 
-async def test_a_one_row_answer_without_its_batch_dimension_gets_it() -> None:
-    """A batching model that answers a request of one row with the output's dims alone
-    (shape [1] for dims [1], as Triton's QA model is_ready_fn_returns_true_decoupled does;
-    Triton passes it on as it is): the output gets its batch dimension. For two rows the
-    shape is ambiguous, and refused."""
+@pytest.mark.parametrize(
+    ("rows", "answer", "dims", "shape"),
+    [
+        (1, [7], (1,), (1, 1)),  # Triton's QA is_ready_fn_returns_true_decoupled
+        (4, [7, 7, 7, 7], (1,), (4, 1)),  # Triton's QA async_execute_decouple
+        (1, [[7, 7, 7]], (3,), (1, 3)),  # already in shape
+        (1, [7, 7, 7], (-1,), (1, 3)),  # variable dims: one row
+        (2, [7, 7, 7, 7, 7, 7], (3,), None),  # flattened rows: refused
+        (2, [7], (1,), None),  # too few values: refused
+        (2, [7, 7, 7], (-1,), None),  # variable dims, two rows: refused
+    ],
+)
+async def test_a_batching_answer_that_holds_its_rows_exactly_takes_the_declared_shape(
+    rows: int, answer: list[float], dims: tuple[int, ...], shape: tuple[int, ...] | None
+) -> None:
+    """A batching model that answers ``[4]`` for 4 rows of dims ``[1]`` (Triton passes it
+    on as it is): the output in its declared shape ``[4, 1]``, where the values are exactly
+    the rows'; an answer that is not (flattened rows, too few values) is refused."""
 
     class Unbatched:
         def execute(self, requests: list[Any]) -> list[Any]:
-            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([7], np.float32))])]
+            value = np.array(answer, np.float32)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", value)]) for _ in requests]
 
+    outputs = [tensor("Y", dims=dims)]
     definition = triton_model(
-        "unbatched", Unbatched, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], max_batch_size=4
+        "unbatched", Unbatched, [tensor("X", dims=(1,))], outputs, max_batch_size=4
     )
     async with orchestrion.open_server(models=[definition]) as server:
-        out = (await server.infer("unbatched", {"X": np.ones((1, 1), np.float32)})).outputs["Y"]
-        assert out.shape == (1, 1)
-        assert out.tolist() == [[7.0]]
-        with pytest.raises(InferenceError, match=r"output 'Y' has shape \[1\]"):
-            await server.infer("unbatched", {"X": np.ones((2, 1), np.float32)})
+        x = np.ones((rows, 1), np.float32)
+        if shape is None:
+            with pytest.raises(InferenceError, match=r"output 'Y' has shape"):
+                await server.infer("unbatched", {"X": x})
+        else:
+            out = (await server.infer("unbatched", {"X": x})).outputs["Y"]
+            assert out.shape == shape
+            assert (out == 7).all()
 
 
 async def test_an_output_is_given_in_its_declared_type_when_its_values_fit() -> None:
