@@ -198,9 +198,9 @@ def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
             f"{where}: a decoupled model's execute is a generator: yield each response "
             "(zero or more), instead of returning one"
         )
-    if config.decoupled and config.sequence_batching is not None:
+    if config.decoupled and config.stateful:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
-    stateful = config.sequence_batching is not None
+    stateful = config.stateful
     if stateful and config.dynamic_batching is not None:
         errors.append(f"{in_config}: sequence_batching and dynamic_batching exclude each other")
     if model.initial_state is not None and not stateful:
@@ -236,7 +236,7 @@ def _initial_state_problems(model: Model, in_config: str) -> list[str]:
 def _parameter_problems(model: Model, where: str) -> list[str]:
     """``execute``'s parameters against the config's inputs (params and state first)."""
     config = model.config
-    stateful = config.sequence_batching is not None
+    stateful = config.stateful
     errors: list[str] = []
     try:
         signature = inspect.signature(model.execute)  # type: ignore[arg-type]

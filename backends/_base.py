@@ -231,8 +231,14 @@ def model_problems(model: Model, where: str, in_config: str) -> list[str]:
 
     if model.triton_model is not None:
         return triton_problems(model, where, in_config)
+    rescheduled: list[str] = []
+    if model.config.iterative:
+        rescheduled.append(
+            f"{in_config}: sequence_batching iterative_sequence is for python-backend models "
+            "(a TritonPythonModel reschedules its requests); this model cannot"
+        )
     if model.onnx is not None:
-        return onnx_problems(model, where, in_config)
+        return rescheduled + onnx_problems(model, where, in_config)
     if model.jit:
-        return jax_problems(model, where, in_config)
-    return python_problems(model, where, in_config)
+        return rescheduled + jax_problems(model, where, in_config)
+    return rescheduled + python_problems(model, where, in_config)

@@ -157,7 +157,7 @@ class FunctionBackend(Backend):
         self.config = model.config
         self._fn = fn
         self._with_params = model.initialize is not None
-        self._stateful = model.config.sequence_batching is not None
+        self._stateful = model.config.stateful
         self._takes_request = takes_request(model)
 
     def _instance(self, index: int, device: Any) -> LoadedInstance:

@@ -252,7 +252,7 @@ class OnnxBackend(Backend):
         # What the graph sees: a sequence batcher's control and state tensors too.
         self.config = config = model_facing(model.config)
         self._graph: Path | bytes = model.onnx
-        stateful = config.sequence_batching is not None
+        stateful = config.stateful
         batched = config.dynamic_batching is not None or stateful
         self.capabilities = Capabilities(
             is_async=False,

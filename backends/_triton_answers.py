@@ -36,7 +36,7 @@ from ..protocols import (
 from ._base import LoadedInstance
 from ._triton_api import InferenceResponse, TritonError, TritonModelException
 from ._triton_calls import cancelled_here, in_trio_worker_thread
-from ._triton_requests import InferenceResponseSender
+from ._triton_requests import InferenceRequest, InferenceResponseSender
 
 if TYPE_CHECKING:
     from ._triton_python import TritonPythonBackend
@@ -251,27 +251,41 @@ class PushedStream:
         try:
             with self._scope:
                 received = backend._received(request, self._sender)
-                instance = self._instance
-                if backend.capabilities.is_async:
-                    # As Triton's: the executions of an instance share its asyncio loop, the
-                    # next starting while one waits (the stream window bounds how many).
-                    result = await backend.call_async(instance, [received], request)
-                else:
-                    async with instance.params.lock:  # one execute at a time per instance
-                        result = await trio.to_thread.run_sync(
-                            backend.call, instance, [received], request
+                while await self._iteration(received):  # rescheduled: once more
+                    if not backend.config.iterative:
+                        raise TritonModelException(
+                            "request rescheduling needs 'sequence_batching { "
+                            "iterative_sequence: true }' in the model's config"
                         )
-                if result is not None:
-                    raise TritonModelException(
-                        "a decoupled model's execute returns None and sends its responses "
-                        "through each request's response sender"
-                    )
+                    if self._reader_gone:
+                        break
         except Exception as exc:
             failure = backend._failed(self._instance, exc)  # logged, after a final flag too
             if not self._sender.closed:
                 await self._push(failure, True)
         finally:
             self._done.set()
+
+    async def _iteration(self, received: InferenceRequest) -> bool:
+        """One ``execute`` of the request: whether the model rescheduled it. Between two
+        iterations the instance's other streams take their turn (the lock is fair)."""
+        backend, instance = self._backend, self._instance
+        received.release()
+        if backend.capabilities.is_async:
+            # As Triton's: the executions of an instance share its asyncio loop, the
+            # next starting while one waits (the stream window bounds how many).
+            result = await backend.call_async(instance, [received], self._request)
+        else:
+            async with instance.params.lock:  # one execute at a time per instance
+                result = await trio.to_thread.run_sync(
+                    backend.call, instance, [received], self._request
+                )
+        if result is not None:
+            raise TritonModelException(
+                "a decoupled model's execute returns None and sends its responses "
+                "through each request's response sender"
+            )
+        return received.rescheduled
 
     def _deliver(self, response: InferenceResponse | None, final: bool) -> None:
         """A sender's response, from any thread: wait until the reader takes it."""

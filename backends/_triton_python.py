@@ -55,6 +55,7 @@ from ._triton_config import initialize_args
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
 from ._triton_requests import InferenceRequest, InferenceResponseSender
+from ._triton_rescheduling import not_reschedulable, run_iterations
 
 if TYPE_CHECKING:
     from ..actors._definition import Model
@@ -86,7 +87,7 @@ class TritonPythonBackend(Backend):
         self._calls = calls
         self._async = inspect.iscoroutinefunction(getattr(self._class, "execute", None))
         decoupled = config.decoupled
-        stateful = config.sequence_batching is not None
+        stateful = config.stateful
         batching = (
             (config.dynamic_batching is not None or stateful)
             and config.max_batch_size > 0
@@ -265,15 +266,10 @@ class TritonPythonBackend(Backend):
     def execute_requests(
         self, instance: LoadedInstance, requests: list[InferRequest]
     ) -> list[Mapping[str, Any] | Exception]:
-        """``execute(requests)`` here: each request's outputs, or the error answering it."""
+        """``execute(requests)`` here (again for those it reschedules, see
+        ``_triton_rescheduling``): each request's outputs, or the error answering it."""
         answers, received = self._prepared(requests)
-        try:
-            result = self.call(instance, received, requests[0])
-        except Exception as exc:
-            return [self._failed(instance, exc)] * len(requests)
-        if result is None:  # each request answered through its sender
-            return [a.wait() for a in answers]
-        return self._returned(result, answers)
+        return run_iterations(self, instance, requests, answers, received)
 
     async def execute_requests_async(
         self, instance: LoadedInstance, requests: list[InferRequest]
@@ -284,6 +280,8 @@ class TritonPythonBackend(Backend):
             result = await self.call_async(instance, received, requests[0])
         except Exception as exc:
             return [self._failed(instance, exc)] * len(requests)
+        if any(r.rescheduled for r in received):
+            return [not_reschedulable(self.model.name, async_execute=True)] * len(requests)
         if result is None:
             for answer in answers:
                 await answer.trio_done.wait()
@@ -492,7 +490,7 @@ def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
             f"{where}: TritonPythonModel.execute is a generator; a decoupled model sends its "
             "responses through request.get_response_sender()"
         )
-    if model.config.decoupled and model.config.sequence_batching is not None:
+    if model.config.decoupled and model.config.stateful:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
     if any(c in STUB_NAME_INVALID for c in model.config.name):
         errors.append(

@@ -22,6 +22,7 @@ from ..protocols import InferRequest
 from ._triton_api import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+    TRITONSERVER_REQUEST_RELEASE_ALL,
     TRITONSERVER_REQUEST_RELEASE_RESCHEDULE,
     TRITONSERVER_RESPONSE_COMPLETE_FINAL,
     InferenceResponse,
@@ -121,6 +122,7 @@ class InferenceRequest:
         self._parameters: str | Mapping[str, Any] = _parameters_json(parameters)
         self._sender: InferenceResponseSender | None = None
         self._cancelled: Callable[[], bool] = _never
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
     def received(
@@ -147,6 +149,7 @@ class InferenceRequest:
         made._parameters = request.parameters  # made JSON text when the model asks
         made._sender = sender
         made._cancelled = cancelled
+        made._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return made
 
     def inputs(self) -> list[Tensor]:
@@ -202,16 +205,23 @@ class InferenceRequest:
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:
-        """Triton's request rescheduling, which orchestrion does not offer.
+        """How the request is released when ``execute`` returns:
+        ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE`` runs it again in a later ``execute``
+        (a model with ``sequence_batching { iterative_sequence: true }``)."""
+        self._release_flags = int(flags)
 
-        Raises:
-            TritonModelException: for ``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``.
-        """
-        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException(
-                "set_release_flags(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE): request "
-                "rescheduling (iterative sequences) is not supported by orchestrion"
-            )
+    def release_flags(self) -> int:
+        """The flags `set_release_flags` gave (``TRITONSERVER_REQUEST_RELEASE_ALL``)."""
+        return self._release_flags
+
+    @property
+    def rescheduled(self) -> bool:
+        """Whether the model asked to run the request again."""
+        return bool(self._release_flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+
+    def release(self) -> None:
+        """Before an execution: released as a whole unless the model says otherwise."""
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     def as_request(self, parent: InferRequest | None) -> InferRequest:
         """This request as the server runs it (a BLS call)."""

@@ -127,6 +127,10 @@ class SequenceBatching:
     state: tuple[Mapping[str, Any], ...] = ()
     direct: Mapping[str, Any] | None = None
     oldest: Mapping[str, Any] | None = None
+    iterative_sequence: bool = False
+    """Triton's iterative sequences: a request that its model reschedules runs again
+    (a python-backend model's ``set_release_flags(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)``),
+    without correlation ids or state."""
 
 
 @attrs.frozen(kw_only=True)
@@ -205,6 +209,18 @@ class ModelConfig:
         """Whether this is an ONNX model (``platform: "onnxruntime_onnx"`` or ``backend:
         "onnxruntime"``), run through ONNX Runtime."""
         return self.platform == ONNX_PLATFORM or self.backend == ONNX_BACKEND
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model keeps state per correlation id (``sequence_batching``, not an
+        iterative sequence)."""
+        batching = self.sequence_batching
+        return batching is not None and not batching.iterative_sequence
+
+    @property
+    def iterative(self) -> bool:
+        """Whether its requests may be rescheduled (``iterative_sequence: true``)."""
+        return self.sequence_batching is not None and self.sequence_batching.iterative_sequence
 
     @property
     def decoupled(self) -> bool:

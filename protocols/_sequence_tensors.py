@@ -196,6 +196,13 @@ def _read(config: ModelConfig) -> tuple[SequenceTensors, list[str]]:
     assert batching is not None
     where = f"model '{config.name}': sequence_batching"
     problems: list[str] = []
+    if batching.iterative_sequence and (
+        batching.control_input or batching.state or batching.direct or batching.oldest
+    ):
+        problems.append(
+            f"{where}: an iterative sequence takes no control_input, state or strategy (its "
+            "requests carry no correlation ids: a rescheduled request keeps its own)"
+        )
     controls = _controls(batching.control_input, where, problems)
     states = _states(batching.state, where, problems)
     taken = {t.name for t in config.input}

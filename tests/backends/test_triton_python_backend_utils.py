@@ -178,7 +178,8 @@ def test_metric_families_count_outside_a_server() -> None:
 
 def test_calls_into_a_server_outside_execute_say_so() -> None:
     """exec(), async_exec() and is_model_ready() outside a model's execute raise a
-    TritonModelException that names the call; the model-loading API says it is not offered."""
+    TritonModelException that names the call; the model-loading API says it is not offered;
+    release flags are kept for the execution to read (see test_python_backend_rescheduling)."""
     request = pb_utils.InferenceRequest(model_name=b"m", inputs=[], requested_output_names=["Y"])
     assert request.model_name() == "m"
     with pytest.raises(pb_utils.TritonModelException) as outside:
@@ -191,7 +192,7 @@ def test_calls_into_a_server_outside_execute_say_so() -> None:
         pb_utils.is_model_ready("m")
     with pytest.raises(pb_utils.TritonModelException, match="load_model: loading"):
         pb_utils.load_model("m")
-    with pytest.raises(pb_utils.TritonModelException, match="set_release_flags"):
-        request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)  # kept
+    assert request.release_flags() == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
     with pytest.raises(pb_utils.TritonModelException, match="only a request that execute received"):
         request.get_response_sender()
