@@ -346,7 +346,7 @@ class Fusion(FusedSteps):
         for runner in self.runners:
             for count in rows:
                 runner.stats.request_finished(None, share, count)
-            runner.stats.execution_finished(0, 0, share, 0, requests=len(rows))
+            runner.stats.execution_finished(0, 0, share, 0, len(rows), sum(rows))
         if elapsed > THREAD_ABOVE_NS:
             self._slow_streak += 1
             self.slow = self._slow_streak >= 3
@@ -414,7 +414,7 @@ class Fusion(FusedSteps):
             stats = runner.stats
             for count in rows:
                 stats.request_finished(None, elapsed, count)
-            stats.execution_finished(0, 0, elapsed, 0, requests=requests)
+            stats.execution_finished(0, 0, elapsed, 0, requests, sum(rows))
         if not self._announced:
             self._announced = True
             steps = ", ".join(f"'{r.model.name}'" for r in self.runners)

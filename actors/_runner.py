@@ -92,8 +92,8 @@ class ModelRunner:
         self.backend = backend_for(self.model, self.calls)
         self.checker = TensorChecker(config)
         # Outputs are checked as the model gives them: its state outputs among them.
-        facing = model_facing(config)
-        outputs = self.checker if facing is config else TensorChecker(facing)
+        facing, shapes = model_facing(config), not self.capabilities.output_shapes_as_given
+        outputs = self.checker if facing is config and shapes else TensorChecker(facing, shapes)
         self.pool = Instances(self.backend, self.model.name, self.model.version, outputs)
         self.output_names = frozenset(t.name for t in config.output)
         self._send, self._receive = trio.open_memory_channel(math.inf)
@@ -224,9 +224,9 @@ class ModelRunner:
             instance.learn(sum(timings) if timings is not None else elapsed)
         count = len(requests) if requests else 1
         if timings is not None:
-            self.stats.execution_finished(queue_ns, *timings, requests=count)
+            self.stats.execution_finished(queue_ns, *timings, requests=count, batch_size=batch)
         else:
-            self.stats.execution_finished(queue_ns, 0, elapsed, 0, requests=count)
+            self.stats.execution_finished(queue_ns, 0, elapsed, 0, count, batch)
         if self.observer is not None:
             self.observer.execution_finished(
                 self.model.name, self.model.version, batch, queue_ns, elapsed
@@ -421,7 +421,7 @@ class ModelRunner:
             timings = result[1] if result is not None else None
             self.record(instance, 0, timings, elapsed, batch, True, [request], started)
         outputs = result[0]
-        if self.batcher is not None:
+        if self.batcher is not None and not self.capabilities.request_lists:
             # As the batcher does: the request's own rows, and one row per input row.
             try:
                 outputs = split_outputs(outputs, [rows_of(request)])[0]

@@ -6,7 +6,13 @@ import time
 
 import attrs
 
-from ..protocols import DurationStatistics, InferStatistics, ModelStatistics, failure_reason
+from ..protocols import (
+    BatchStatistics,
+    DurationStatistics,
+    InferStatistics,
+    ModelStatistics,
+    failure_reason,
+)
 
 
 @attrs.define(eq=False)
@@ -34,6 +40,8 @@ class StatsRecorder:
     cache_miss_count: int = 0
     cache_miss_ns: int = 0
     failures: dict[str, int] = attrs.field(factory=dict)
+    batches: dict[int, list[int]] = attrs.field(factory=dict)
+    """By batch size: executions, and their input, infer and output nanoseconds."""
     cache_enabled: bool = False
     load_ns: int = 0
     is_ensemble: bool = False
@@ -65,12 +73,20 @@ class StatsRecorder:
         infer_ns: int,
         output_ns: int,
         requests: int = 1,
+        batch_size: int = 0,
     ) -> None:
-        """Count one run of ``execute`` for ``requests`` requests (a batch: more than one).
+        """Count one run of ``execute`` for ``requests`` requests (a batch: more than one)
+        holding ``batch_size`` inferences (0: one per request).
 
         As in Triton, queue and compute statistics are per request: ``queue_ns`` is the sum
-        of the requests' waits, and each request is charged the execution's compute times.
+        of the requests' waits, and each request is charged the execution's compute times;
+        the batch statistics count the execution once, under its batch size.
         """
+        entry = self.batches.setdefault(batch_size or requests, [0, 0, 0, 0])
+        entry[0] += 1
+        entry[1] += input_ns
+        entry[2] += infer_ns
+        entry[3] += output_ns
         self.execution_count += 1
         self.queue_count += requests
         self.queue_ns += queue_ns
@@ -111,6 +127,15 @@ class StatsRecorder:
             cache_enabled=self.cache_enabled,
             load_ns=self.load_ns,
             is_ensemble=self.is_ensemble,
+            batch_stats=tuple(
+                BatchStatistics(
+                    batch_size=size,
+                    compute_input=DurationStatistics(count=count, ns=input_ns),
+                    compute_infer=DurationStatistics(count=count, ns=infer_ns),
+                    compute_output=DurationStatistics(count=count, ns=output_ns),
+                )
+                for size, (count, input_ns, infer_ns, output_ns) in sorted(self.batches.items())
+            ),
             inference_stats=InferStatistics(
                 success=DurationStatistics(count=self.success_count, ns=self.success_ns),
                 fail=DurationStatistics(count=self.fail_count, ns=self.fail_ns),

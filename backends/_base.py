@@ -70,6 +70,9 @@ class Capabilities:
     """Its code may wait on the server (a Triton model's synchronous BLS calls), which it
     can do from the event loop through a greenback portal: an inline execution runs only
     in a task that holds one (`greenback.ensure_portal`), never on a synchronous fast path."""
+    output_shapes_as_given: bool = False
+    """Its outputs keep the shapes its code gives them, unchecked against the config's dims
+    (as Triton passes a python-backend model's on); names and data types are checked."""
 
 
 class ServerCalls(Protocol):

@@ -109,6 +109,7 @@ class TritonPythonBackend(Backend):
             pushes=decoupled,
             may_run_inline=not decoupled and (not waits or through_portal),
             waits_through_portal=through_portal,
+            output_shapes_as_given=True,
         )
         self.variable_shapes = True
         self._facing = facing = model_facing(config)

@@ -86,6 +86,7 @@ from ._sequence_tensors import sequence_problems as sequence_problems
 from ._sequence_tensors import sequence_tensor_names as sequence_tensor_names
 from ._sequence_tensors import start_value as start_value
 from ._statistics import FAILURE_REASONS as FAILURE_REASONS
+from ._statistics import BatchStatistics as BatchStatistics
 from ._statistics import CacheStatistics as CacheStatistics
 from ._statistics import CustomMetricFamily as CustomMetricFamily
 from ._statistics import CustomMetricSample as CustomMetricSample

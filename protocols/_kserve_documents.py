@@ -158,7 +158,15 @@ def model_statistics_json(statistics: Sequence[ModelStatistics]) -> dict[str, An
                     "cache_miss": _duration(infer.cache_miss),
                 },
                 "response_stats": {},
-                "batch_stats": [],
+                "batch_stats": [
+                    {
+                        "batch_size": b.batch_size,
+                        "compute_input": _duration(b.compute_input),
+                        "compute_infer": _duration(b.compute_infer),
+                        "compute_output": _duration(b.compute_output),
+                    }
+                    for b in s.batch_stats
+                ],
                 "memory_usage": [],
             }
         )

@@ -35,6 +35,17 @@ class DurationStatistics:
 
 
 @attrs.frozen(kw_only=True)
+class BatchStatistics:
+    """Triton's ``InferBatchStatistics``: the executions of one batch size (inferences in
+    one ``execute``) and their cumulative compute durations."""
+
+    batch_size: int
+    compute_input: DurationStatistics = DurationStatistics()
+    compute_infer: DurationStatistics = DurationStatistics()
+    compute_output: DurationStatistics = DurationStatistics()
+
+
+@attrs.frozen(kw_only=True)
 class InferStatistics:
     """Triton's ``InferStatistics``: per-outcome counts and cumulative durations."""
 
@@ -64,6 +75,8 @@ class ModelStatistics:
     execution_count: int = 0
     """Model executions (a batched execution counts once)."""
     inference_stats: InferStatistics = InferStatistics()
+    batch_stats: tuple[BatchStatistics, ...] = ()
+    """Executions by batch size, smallest first."""
     pending_request_count: int = 0
     """Requests accepted and not yet answered."""
     failures_by_reason: Mapping[str, int] = attrs.field(factory=dict)

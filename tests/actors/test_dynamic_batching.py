@@ -20,6 +20,7 @@ from orchestrion.protocols import (
     QueueFullError,
     QueuePolicy,
 )
+from orchestrion.protocols._kserve_documents import model_statistics_json
 from orchestrion.testing import assert_idle, ensemble, model, outcome, step, tensor
 from support.batching import ROW, batching, plain, row
 
@@ -65,6 +66,11 @@ async def test_concurrent_requests_become_few_executions(
         np.testing.assert_array_equal(results[i], row(2 * i))
     assert (stats.execution_count, stats.inference_count) == (3, 20)
     assert stats.inference_stats.success.count == 20
+    # Triton's batch statistics: executions by batch size, each counted once.
+    assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(4, 1), (8, 2)]
+    assert all(b.compute_infer.ns > 0 for b in stats.batch_stats)
+    document = model_statistics_json([stats])["model_stats"][0]["batch_stats"]
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in document] == [(4, 1), (8, 2)]
 
 
 async def test_requests_of_several_rows_are_split_back() -> None:
