@@ -112,11 +112,11 @@ def _settle(
                 again.remove(i)
         done_items = [result[p] for p, i in enumerate(ran) if i not in again]
         settled = backend._returned(done_items, [answers[i] for i in done])
-    else:
-        settled = backend._returned(result, [answers[i] for i in ran])[: len(done)]
-        if again:  # a malformed result: the rescheduled requests fail with the others
-            for i in again:
-                outcomes[i] = settled[0]
-            again.clear()
+    else:  # a malformed result: every request of the call fails, the rescheduled too
+        failed = backend._returned(result, [answers[i] for i in ran])
+        for i, outcome in zip(ran, failed, strict=True):
+            outcomes[i] = outcome
+        again.clear()
+        return
     for i, outcome in zip(done, settled, strict=True):
         outcomes[i] = outcome

@@ -235,3 +235,21 @@ async def test_configs_that_cannot_reschedule_are_refused_at_load() -> None:
     ):
         async with orchestrion.open_server(models=[controlled]):
             pass
+
+
+async def test_a_malformed_answer_fails_the_rescheduled_request_too() -> None:
+    """``execute`` reschedules its request and returns something that is not a list of
+    responses: the request fails with the malformed-answer error, and runs no more."""
+    calls: list[int] = []
+
+    class Malformed:
+        def execute(self, requests: list[Any]) -> Any:
+            calls.append(len(requests))
+            requests[0].set_release_flags(RESCHEDULE)
+            return "not a list"
+
+    definition = triton_model("malformed", Malformed, IN, OUT, sequence_batching=ITERATIVE)
+    async with orchestrion.open_server(models=[definition]) as server:
+        with pytest.raises(orchestrion.InferenceError, match="execute returned str for 1 requests"):
+            await server.infer("malformed", {"IN": np.array([1], np.int32)})
+    assert calls == [1]
