@@ -2,9 +2,9 @@
 returns, the ones it sends through a request's sender, and a decoupled request's stream.
 
 How this works: an answer's outputs are taken in the data types the config declares where
-the values convert exactly, and in the declared shape where they hold exactly that row by
-row (`Declared.outputs_of`); an error response is the model's own error with its code
-(`reported`), its parameters travel with the outputs. A request of a model that is not decoupled and
+the values convert exactly, in the shapes the model gave (`Declared.outputs_of`); an error
+response is the model's own error with its code (`reported`), and the parameters of a
+response travel with its outputs. A request of a model that is not decoupled and
 answers through its sender has an `Answer` waiting for that one response. A decoupled
 request is a `PushedStream`: its execution runs in a task of the backend's nursery while the
 model's code, from any thread, pushes responses through the sender into a channel of no
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -71,13 +70,10 @@ def reported(error: TritonError, model_name: str) -> ModelReportedError:
 @attrs.frozen
 class Declared:
     """What a python-backend model's config declares of its outputs, to take its answers
-    as Triton passes them on: each output's numpy dtype and dims (its state outputs' too),
-    and whether the model batches."""
+    as Triton passes them on: each output's numpy dtype (its state outputs' too)."""
 
     model_name: str
     dtypes: Mapping[str, np.dtype[Any]]
-    dims: Mapping[str, tuple[int, ...]]
-    batching: bool
 
     @classmethod
     def of(cls, config: ModelConfig) -> Declared:
@@ -85,48 +81,20 @@ class Declared:
         return cls(
             model_name=config.name,
             dtypes={t.name: t.data_type.numpy_dtype for t in config.output},
-            dims={t.name: tuple(t.dims) for t in config.output},
-            batching=config.max_batch_size > 0,
         )
 
-    def rows(self, request: InferRequest) -> int:
-        """How many rows a request of a batching model holds (1 without batching)."""
-        if not self.batching or not request.inputs:
-            return 1
-        return int(next(iter(request.inputs.values())).shape[0])
-
-    def outputs_of(self, response: InferenceResponse, rows: int) -> Mapping[str, Any] | Exception:
-        """A response's outputs (in the declared types, see `_as_declared`, and shapes,
-        see `_in_declared_shape`), or its error."""
+    def outputs_of(self, response: InferenceResponse) -> Mapping[str, Any] | Exception:
+        """A response's outputs (in the declared types, see `_as_declared`; in the shapes
+        the model gave, as Triton passes them on), or its error."""
         error = response.error()
         if error is not None:
             return reported(error, self.model_name)
         outputs = {}
         for tensor in response.output_tensors():
             name = tensor.name()
-            array = _as_declared(tensor.as_numpy(), self.dtypes.get(name))
-            dims = self.dims.get(name)
-            if self.batching and dims is not None and array.ndim != len(dims) + 1:
-                array = _in_declared_shape(array, dims, rows)
-            outputs[name] = array
+            outputs[name] = _as_declared(tensor.as_numpy(), self.dtypes.get(name))
         parameters = response.parameter_values()
         return ParameterizedOutputs(outputs, parameters) if parameters else outputs
-
-
-def _in_declared_shape(array: np.ndarray[Any, Any], dims: tuple[int, ...], rows: int) -> Any:
-    """A batching model's output for a request of ``rows`` rows that is not shaped
-    ``[rows, *dims]`` but holds exactly that, row by row: the output in that shape (Triton
-    passes it on as it is: ``[4]`` for dims ``[1]``, as its QA model async_execute_decouple
-    answers, or ``[1]`` for one row); anything else as it is, for the output check."""
-    if all(d >= 0 for d in dims):
-        whole = rows * math.prod(dims) == array.size
-        by_rows = rows == 1 or (array.ndim > 0 and array.shape[0] == rows)
-        return array.reshape((rows, *dims)) if whole and by_rows else array
-    # Variable dims: only a one-row answer that is the dims themselves is unambiguous.
-    fits = rows == 1 and len(array.shape) == len(dims)
-    if fits and all(d in (-1, s) for s, d in zip(array.shape, dims, strict=True)):
-        return array[np.newaxis]
-    return array
 
 
 class Answer:
@@ -135,12 +103,9 @@ class Answer:
     thread; a synchronous execute's thread waits on the first, an async one's task on the
     second)."""
 
-    def __init__(
-        self, token: trio.lowlevel.TrioToken | None, declared: Declared, rows: int
-    ) -> None:
+    def __init__(self, token: trio.lowlevel.TrioToken | None, declared: Declared) -> None:
         self.token = token
         self.declared = declared
-        self.rows = rows
         self.response: InferenceResponse | None = None
         self.problem: str | None = None
         self._done: threading.Event | None = None
@@ -179,8 +144,10 @@ class Answer:
         if self.problem is not None:
             return TritonModelException(self.problem)
         if self.response is None:
-            return TritonModelException("sent the final flag without a response")
-        return self.declared.outputs_of(self.response, self.rows)
+            return TritonModelException(  # Triton's words
+                "Non-decoupled model cannot send complete final before sending a response"
+            )
+        return self.declared.outputs_of(self.response)
 
 
 def never() -> bool:
@@ -282,8 +249,9 @@ class PushedStream:
                 )
         if result is not None:
             raise TritonModelException(
-                "a decoupled model's execute returns None and sends its responses "
-                "through each request's response sender"
+                f"model '{backend.model.name}' is using the decoupled mode and the execute "
+                "function must return None (it sends its responses through each request's "
+                "response sender)"
             )
         return received.rescheduled
 
@@ -292,7 +260,7 @@ class PushedStream:
         item = None
         if response is not None:
             declared = self._backend.declared
-            item = declared.outputs_of(response, declared.rows(self._request))
+            item = declared.outputs_of(response)
         try:
             if in_trio_worker_thread():
                 trio.from_thread.run(self._push, item, final)

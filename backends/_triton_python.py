@@ -257,7 +257,7 @@ class TritonPythonBackend(Backend):
         self, requests: list[InferRequest]
     ) -> tuple[list[Answer], list[InferenceRequest]]:
         declared = self.declared
-        answers = [Answer(self._token, declared, declared.rows(r)) for r in requests]
+        answers = [Answer(self._token, declared) for _ in requests]
         received = [
             self._received(r, InferenceResponseSender(a.deliver, never))
             for r, a in zip(requests, answers, strict=True)
@@ -315,7 +315,7 @@ class TritonPythonBackend(Backend):
         outcomes: list[Mapping[str, Any] | Exception] = []
         for item, answer in zip(result, answers, strict=True):
             if isinstance(item, InferenceResponse):
-                outcomes.append(self.declared.outputs_of(item, answer.rows))
+                outcomes.append(self.declared.outputs_of(item))
             elif item is None and answer.response is not None:
                 outcomes.append(answer.outcome())
             else:

@@ -65,9 +65,8 @@ class InferenceResponseSender:
             )
         with self._lock:
             if self._closed:
-                raise TritonModelException(
-                    "Unable to send a response: the response sender is closed (its final "
-                    "flag was sent)"
+                raise TritonModelException(  # Triton's words
+                    "Unable to send response. Response sender has been closed."
                 )
             self._closed = final
         self._deliver(response, final)

@@ -97,7 +97,7 @@ def load_override_from_http(parameters: Mapping[str, object]) -> LoadOverride:
             config = value
             continue
         try:
-            files[name.removeprefix(FILE_PREFIX)] = base64.b64decode(value, validate=True)
+            files[_file_path(name)] = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequestError(
                 f"load parameter '{name:.100}' is not base64: {exc}"
@@ -128,7 +128,7 @@ def load_override_from_grpc(parameters: Mapping[str, Any]) -> LoadOverride:
                 raise InvalidRequestError(
                     f"invalid value type for load parameter '{name:.100}', expected bytes_param."
                 )
-            files[name.removeprefix(FILE_PREFIX)] = parameter.bytes_param
+            files[_file_path(name)] = parameter.bytes_param
         else:
             raise _unrecognized(name)
     return LoadOverride(config=config, files=files)
@@ -190,6 +190,13 @@ def parse_config_override(text: str) -> ModelConfig:
         raise ConfigError(f"{CONFIG_SOURCE}: {first}") from None
     fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
     return model_config_from_dict(fields, source=CONFIG_SOURCE)
+
+
+def _file_path(name: str) -> str:
+    """The path of a ``file:`` load parameter below the model folder: ``file:1/model.py``,
+    or ``file:/1/model.py`` as Triton's QA writes it (one leading slash names the folder)."""
+    path = name.removeprefix(FILE_PREFIX)
+    return path[1:] if path.startswith("/") and not path.startswith("//") else path
 
 
 def _path_problem(path: str) -> str | None:

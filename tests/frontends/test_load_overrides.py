@@ -6,6 +6,7 @@ nothing written anywhere else."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -366,9 +367,14 @@ def test_paths_out_of_the_folder_are_refused(
 
 
 def test_an_absolute_path_writes_nothing_there(client: Any, scratch: Path) -> None:
-    """``file:/abs/path`` is refused; the file it names is never created."""
+    """``file:/abs/path`` names a path below the model folder, as Triton reads it (its QA
+    sends ``file:/1/model.py``): the absolute file it seems to name is never created, and
+    ``file://...`` is refused."""
     target = scratch / "absolute-escape.py"
-    error = _refused(client, "simple", config=_config(), files={f"file:{target}": b"x = 1\n"})
+    with contextlib.suppress(InferenceServerException):
+        client.load_model("simple", config=_config(), files={f"file:{target}": b"x = 1\n"})
+    assert not target.exists()
+    error = _refused(client, "simple", config=_config(), files={f"file:/{target}": b"x = 1\n"})
     assert "the path is absolute" in error.message()
     assert not target.exists()
 
