@@ -126,19 +126,14 @@ class ModelRegistry:
 
     def is_ready(self, name: str, version: int = -1) -> bool:
         """Whether ``name`` (at ``version``) is loaded and serving."""
-        try:
-            self._models.resolve(name, version)
-        except OrchestrionError:  # not loaded, or the server is closing
-            return False
-        return True
+        return self._router.is_ready(name, version)
 
     async def passes_readiness(self, name: str, version: int = -1) -> bool:
         """`is_ready`, and the model's code's own check passes (`Backend.ready`: a
         python-backend model's ``is_ready()``); an ensemble is ready when loaded."""
-        try:
-            runner = self._models.resolve(name, version)
-        except OrchestrionError:
+        if not self._router.is_ready(name, version):
             return False
+        runner = self._models.resolve(name, version)
         return not isinstance(runner, ModelRunner) or await runner.backend.ready()
 
     def revision(self, runner: Runner) -> str:

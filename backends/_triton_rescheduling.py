@@ -80,10 +80,12 @@ def run_iterations(
             for i in pending:
                 outcomes[i] = TritonModelException("the request was cancelled while rescheduled")
             break
-    return [outcome if outcome is not None else _NO_ANSWER for outcome in outcomes]
-
-
-_NO_ANSWER = TritonModelException("execute gave no answer for a request")
+    return [
+        outcome
+        if outcome is not None
+        else TritonModelException("execute gave no answer for a request")
+        for outcome in outcomes
+    ]
 
 
 def _settle(

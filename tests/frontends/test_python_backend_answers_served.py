@@ -48,6 +48,22 @@ def _text(module: Any, name: str, value: str) -> Any:
     return item
 
 
+def _refusals(
+    server: Served, model: str, name: str, value: str
+) -> tuple[InferenceServerException, InferenceServerException]:
+    """The errors a request of ``model`` with the BYTES input ``name`` gets over gRPC and
+    over HTTP (each must fail)."""
+    errors = []
+    for module, address in ((grpcclient, server.grpc), (httpclient, server.http)):
+        with (
+            module.InferenceServerClient(address) as client,
+            pytest.raises(InferenceServerException) as caught,
+        ):
+            client.infer(model, [_text(module, name, value)])
+        errors.append(caught.value)
+    return errors[0], errors[1]
+
+
 def _grpc_parameters(result: Any) -> dict[str, Any]:
     """A gRPC response's parameters as Python values (the field each one set)."""
     found: dict[str, Any] = {}
@@ -105,20 +121,10 @@ def test_parameters_triton_refuses_are_refused_in_its_words(
 ) -> None:
     """Triton's checks of response parameters, their texts word for word: the model sees
     the refusal and answers with it (INVALID_ARG: gRPC's INVALID_ARGUMENT, HTTP 400)."""
-    text = json.dumps(parameters)
-    with (
-        grpcclient.InferenceServerClient(server.grpc) as client,
-        pytest.raises(InferenceServerException) as caught,
-    ):
-        client.infer("params", [_text(grpcclient, "PARAMETERS", text)])
-    assert str(caught.value) == f"[StatusCode.INVALID_ARGUMENT] {message}"
-    with (
-        httpclient.InferenceServerClient(server.http) as client,
-        pytest.raises(InferenceServerException) as raised,
-    ):
-        client.infer("params", [_text(httpclient, "PARAMETERS", text)])
-    assert raised.value.status() == "400"
-    assert raised.value.message() == message
+    grpc_error, http_error = _refusals(server, "params", "PARAMETERS", json.dumps(parameters))
+    assert str(grpc_error) == f"[StatusCode.INVALID_ARGUMENT] {message}"
+    assert http_error.status() == "400"
+    assert http_error.message() == message
 
 
 def test_each_response_of_a_decoupled_model_carries_its_own_parameters(server: Served) -> None:
@@ -173,18 +179,9 @@ def test_an_error_response_reaches_the_client_under_its_code(
 ) -> None:
     """``pb_utils.TritonError(message, code)``: the client sees the model's message as it
     wrote it, with the gRPC status and HTTP status Triton gives that code."""
-    with (
-        grpcclient.InferenceServerClient(server.grpc) as client,
-        pytest.raises(InferenceServerException) as caught,
-    ):
-        client.infer("coded", [_text(grpcclient, "CODE", code)])
-    assert str(caught.value) == f"[StatusCode.{grpc_status}] the code is {code}"
-    with (
-        httpclient.InferenceServerClient(server.http) as client,
-        pytest.raises(InferenceServerException) as raised,
-    ):
-        client.infer("coded", [_text(httpclient, "CODE", code)])
-    assert (raised.value.status(), raised.value.message()) == (
+    grpc_error, http_error = _refusals(server, "coded", "CODE", code)
+    assert str(grpc_error) == f"[StatusCode.{grpc_status}] the code is {code}"
+    assert (http_error.status(), http_error.message()) == (
         str(http_status),
         f"the code is {code}",
     )
