@@ -36,10 +36,9 @@ from ..protocols import (
     InferenceError,
     InferRequest,
     ModelConfig,
-    ParameterizedOutputs,
     TensorChecker,
     Tensors,
-    parameters_of,
+    carried,
 )
 from ._watchdog import THREAD_HINT, LoopHolder, loop_holder
 
@@ -371,8 +370,7 @@ class Instances:
                 f"model '{self.name}' (version {self.version}) returned a bad result: {exc}",
                 model_name=self.name,
             ) from exc
-        own = parameters_of(raw)  # the response parameters the model set travel along
-        return ParameterizedOutputs(outputs, own) if own else outputs
+        return carried(raw, outputs)  # the response parameters the model set travel along
 
     def bad_batch(self, exc: Exception) -> InferenceError:
         """A batched result that cannot be split into its requests' rows."""

@@ -314,7 +314,7 @@ class RequestRouter:
             self._rejected(request, exc)
             raise
         if not self.models.decoupled(runner.config.name):
-            yield await self.infer(request)
+            yield attrs.evolve(await self.infer(request), final=True)  # its one response
             return
         start, request, span = self._started(runner, request, False)
         error: BaseException | None = None

@@ -38,6 +38,7 @@ from ..protocols import (
     Tensors,
     model_facing,
     parameters_of,
+    sent_final,
 )
 from ..telemetry import RequestTracing
 from ._batch_queue import BatchQueue, batch_size, rows_of, split_outputs
@@ -487,6 +488,7 @@ class ModelRunner:
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         parameters = self.response_parameters(request, parameters_of(outputs))
+        final = sent_final(outputs)
         wanted = request.requested_outputs
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
@@ -496,6 +498,7 @@ class ModelRunner:
             request_id=request.request_id,
             outputs=outputs,
             parameters=parameters,
+            final=final,
         )
 
     def response_parameters(

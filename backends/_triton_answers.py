@@ -31,6 +31,7 @@ from ..protocols import (
     ModelReportedError,
     ParameterizedOutputs,
     ServerClosedError,
+    parameters_of,
 )
 from ._base import LoadedInstance
 from ._triton_api import InferenceResponse, TritonError, TritonModelException
@@ -211,7 +212,8 @@ class PushedStream:
                 await self._done.wait()
 
     def _is_cancelled(self) -> bool:
-        return self._reader_gone
+        asked = self._request.cancellation
+        return self._reader_gone or (asked is not None and asked.requested)
 
     async def _produce(self) -> None:
         backend, request = self._backend, self._request
@@ -249,9 +251,9 @@ class PushedStream:
                 )
         if result is not None:
             raise TritonModelException(
-                f"model '{backend.model.name}' is using the decoupled mode and the execute "
-                "function must return None (it sends its responses through each request's "
-                "response sender)"
+                f"Python model '{instance.params.name}' is using the decoupled mode and the "
+                "execute function must return None. (It sends its responses through each "
+                "request's response sender.)"
             )
         return received.rescheduled
 
@@ -270,6 +272,8 @@ class PushedStream:
             pass  # the request was cancelled or the server stopped: the response is dropped
 
     async def _push(self, item: Any, final: bool) -> None:
+        if final and isinstance(item, Mapping):  # its stream's last response
+            item = ParameterizedOutputs(item, parameters_of(item), final=True)
         try:
             if item is not None:
                 await self._send.send(item)

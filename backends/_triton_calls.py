@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+import os
+import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -29,11 +34,14 @@ import greenback
 import trio
 
 from ..protocols import (
+    ERROR_CODES,
+    Cancellation,
     InferenceTimeoutError,
     InferRequest,
     InferResponse,
     InvalidRequestError,
     ModelNotFoundError,
+    ModelReportedError,
     OrchestrionError,
     ServerClosedError,
 )
@@ -86,7 +94,10 @@ def cancelled_here() -> bool:
 
 
 def error_response(error: BaseException) -> InferenceResponse:
-    """A BLS call's failure as the response Triton gives (``response.error()``)."""
+    """A BLS call's failure as the response Triton gives (``response.error()``): a
+    model's own error keeps its code."""
+    if isinstance(error, ModelReportedError):
+        return InferenceResponse(error=TritonError(str(error), ERROR_CODES.index(error.code)))
     if isinstance(error, ModelNotFoundError):
         code = TritonError.NOT_FOUND
     elif isinstance(error, InvalidRequestError):
@@ -122,7 +133,8 @@ class Execution:
     parent: InferRequest | None = None
     """The request being executed (its trace context goes with BLS calls)."""
     _bridge: TrioBridge | None = None
-    _pumps: list[trio.CancelScope] = attrs.field(factory=list)
+    _pumps: set[trio.CancelScope] = attrs.field(factory=set)
+    """The decoupled BLS calls still running (each leaves when it ends)."""
     waited_ns: int = 0
     """How long its calls waited on the server (BLS): not the execution's own time (from
     the event loop, through a greenback portal, the loop runs other work meanwhile)."""
@@ -180,7 +192,7 @@ class Execution:
         """The call returned: cancel the decoupled BLS calls it left unfinished."""
         if not self._pumps:
             return
-        pumps, self._pumps = self._pumps, []
+        pumps, self._pumps = self._pumps, set()
 
         def cancel() -> None:
             for scope in pumps:
@@ -225,12 +237,13 @@ class Execution:
     async def open_stream(self, request: InferenceRequest) -> ResponseIterator:
         """A decoupled BLS call: its responses come through the returned iterator."""
         calls = self._server("InferenceRequest.exec(decoupled=True)")
-        wire = request.as_request(self.parent)
+        cancellation = Cancellation()
+        wire = attrs.evolve(request.as_request(self.parent), cancellation=cancellation)
         send, receive = trio.open_memory_channel[InferenceResponse](0)
         scope = trio.CancelScope()
-        self._pumps.append(scope)
-        self.nursery.start_soon(_pump, calls, wire, send, scope)
-        return ResponseIterator(self, receive, scope)
+        self._pumps.add(scope)
+        self.nursery.start_soon(_pump, calls, wire, send, scope, self._pumps)
+        return ResponseIterator(self, receive, cancellation)
 
     async def open_stream_answered(self, request: InferenceRequest) -> ResponseIterator:
         """`open_stream`, given once the first response has come (or the call has ended),
@@ -246,14 +259,31 @@ async def _pump(
     request: InferRequest,
     send: trio.MemorySendChannel[InferenceResponse],
     scope: trio.CancelScope,
+    pumps: set[trio.CancelScope],
 ) -> None:
     """Feed a decoupled BLS call's responses to its iterator, one at a time."""
+    try:
+        await _pump_all(calls, request, send, scope)
+    finally:
+        pumps.discard(scope)
+
+
+async def _pump_all(
+    calls: ServerCalls,
+    request: InferRequest,
+    send: trio.MemorySendChannel[InferenceResponse],
+    scope: trio.CancelScope,
+) -> None:
     with scope, contextlib.suppress(trio.BrokenResourceError):
         async with send:
             try:
+                final = False
                 async with contextlib.aclosing(calls.stream_infer(request)) as responses:
                     async for response in responses:
+                        final = response.final
                         await send.send(model_response(response))
+                if not final:  # the final flag came alone: Triton's empty last response
+                    await send.send(InferenceResponse())
             except Exception as exc:
                 await send.send(error_response(exc))
 
@@ -265,11 +295,11 @@ class ResponseIterator:
         self,
         execution: Execution,
         receive: trio.MemoryReceiveChannel[InferenceResponse],
-        scope: trio.CancelScope,
+        cancellation: Cancellation,
     ) -> None:
         self._execution = execution
         self._receive = receive
-        self._scope = scope
+        self._cancellation = cancellation
         self._ended = False
         self._first: InferenceResponse | None = None
 
@@ -299,11 +329,72 @@ class ResponseIterator:
             return error_response(exc)
 
     def cancel(self) -> None:
-        """Cancel the call: the called model is cancelled and the iteration ends."""
-        self._execution.to_trio_sync(self._scope.cancel)
+        """Ask for the call's cancellation, as Triton's: the called model sees it
+        (``request.is_cancelled()``) and ends its stream when it chooses, usually with a
+        CANCELLED error response; the responses it sends meanwhile still come here."""
+        self._cancellation.cancel()
 
 
 _EXECUTION: contextvars.ContextVar[Execution] = contextvars.ContextVar("orchestrion_execution")
+
+
+_SERVING: list[tuple[tuple[str, str], Execution]] = []
+"""The code places of the models serving now (see `code_places`), each with the execution
+that BLS calls from threads the model started itself run under."""
+_SERVING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def serving(places: Sequence[tuple[str, str]], execution: Execution) -> Iterator[None]:
+    """While a model serves (from the end of its ``initialize`` to the start of its
+    ``finalize``, as Triton's stub allows): a BLS call from a thread the model started
+    itself, which carries no execution, runs under ``execution`` (no parent request), found
+    from the code that made the call (the innermost of the caller's frames in ``places``)."""
+    entries = [(place, execution) for place in places]
+    with _SERVING_LOCK:
+        _SERVING.extend(entries)
+    try:
+        yield
+    finally:
+        with _SERVING_LOCK:
+            for entry in entries:
+                _SERVING.remove(entry)
+
+
+def code_places(source: str, cls: type) -> list[tuple[str, str]]:
+    """Where a model's code lies, as (a folder or file, a prefix of the qualified names of
+    its functions): its version folder and its model folder (a ``model.py`` at ``source``:
+    any function), or its class's file and the class's own functions (a class defined
+    beside other models' classes)."""
+    if source.endswith(".py"):
+        return [(str(Path(source).parent), ""), (str(Path(source).parents[1]), "")]
+    with contextlib.suppress(TypeError):
+        file = inspect.getsourcefile(cls)
+        if file is not None:
+            return [(file, cls.__qualname__ + ".")]
+    return []
+
+
+def _serving_caller() -> Execution | None:
+    """The execution of the serving model whose code called (None: no model's code among
+    the callers, or two models' code places match it alike)."""
+    with _SERVING_LOCK:
+        serving = list(_SERVING)
+    frame = sys._getframe(1) if serving else None
+    while frame is not None:
+        code = frame.f_code
+        file, name = code.co_filename, code.co_qualname
+        found = [
+            (len(place), execution)
+            for (place, prefix), execution in serving
+            if (file == place or file.startswith(place + os.sep)) and name.startswith(prefix)
+        ]
+        if found:
+            longest = max(length for length, _ in found)
+            executions = {id(e): e for length, e in found if length == longest}
+            return next(iter(executions.values())) if len(executions) == 1 else None
+        frame = frame.f_back
+    return None
 
 
 def current_execution(call: str) -> Execution:
@@ -315,10 +406,14 @@ def current_execution(call: str) -> Execution:
     try:
         return _EXECUTION.get()
     except LookupError:
+        pass
+    execution = _serving_caller()
+    if execution is None:
         # Triton's words first (its QA looks for them in the log of a model whose
         # initialize or finalize makes a BLS call), then where the call may be made.
         raise TritonModelException(
             f"BLS is only supported during the 'execute' function. ({call} was called "
-            "outside a model's execute: from initialize, finalize, or a thread the model "
-            "started itself, which gets the execution with contextvars.copy_context().run)"
-        ) from None
+            "outside a model's execute and outside a thread of a serving model: from "
+            "initialize, finalize or code of no loaded model)"
+        )
+    return execution

@@ -50,7 +50,7 @@ from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
 from ._function import devices, on_host, placement_problems
 from ._triton_answers import Answer, Declared, PushedStream, never
 from ._triton_api import InferenceResponse, TritonModelException
-from ._triton_calls import Execution, cancelled_here
+from ._triton_calls import Execution, cancelled_here, code_places, serving
 from ._triton_config import initialize_args
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
@@ -199,8 +199,10 @@ class TritonPythonBackend(Backend):
                         daemon=True,
                     )
                     thread.start()
-                task_status.started()
-                await trio.sleep_forever()
+                standing = Execution(self.model.name, self._calls, self._token, nursery)
+                with serving(code_places(self.model.source, self._class), standing):
+                    task_status.started()
+                    await trio.sleep_forever()
         finally:
             self._nursery = None
             with trio.CancelScope(shield=True):

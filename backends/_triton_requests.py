@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..protocols import InferRequest
+from ..protocols import Cancellation, InferRequest
 from ._triton_api import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
@@ -121,6 +121,7 @@ class InferenceRequest:
         self._parameters: str | Mapping[str, Any] = _parameters_json(parameters)
         self._sender: InferenceResponseSender | None = None
         self._cancelled: Callable[[], bool] = _never
+        self._cancellation: Cancellation | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
@@ -148,6 +149,7 @@ class InferenceRequest:
         made._parameters = request.parameters  # made JSON text when the model asks
         made._sender = sender
         made._cancelled = cancelled
+        made._cancellation = request.cancellation
         made._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return made
 
@@ -190,8 +192,10 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        """Whether the client went away or the request timed out."""
-        return self._cancelled()
+        """Whether the client went away, the request timed out, or a BLS caller cancelled
+        it (``ResponseIterator.cancel()``)."""
+        asked = self._cancellation
+        return (asked is not None and asked.requested) or self._cancelled()
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The sender of this request's responses (a request ``execute`` received).

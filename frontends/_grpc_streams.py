@@ -212,14 +212,16 @@ class Stream:
             # The stream's own deadline below covers the timeout: stream_infer takes none.
             options = attrs.evolve(wire.options, timeout=None, traceparent=traceparent)
             responses = self.wire.stream(wire, options)
+            final = False  # the last response came with the model's final flag
             async with contextlib.aclosing(responses) as each:
                 with trio.fail_after(wire.options.timeout or math.inf):
                     async for response in each:
+                        final = response.final
                         message = encode_grpc_response(
-                            response, final=False, shared=wire.shared_outputs
+                            response, final=final, shared=wire.shared_outputs
                         )
                         await self.emit(_stream_response(message))
-            if wire.empty_final_response:
+            if wire.empty_final_response and not final:
                 version = str(wire.options.model_version)
                 request_id = wire.options.request_id
                 await self.emit(

@@ -68,12 +68,15 @@ from ._errors import UnsupportedError as UnsupportedError
 from ._errors import os_error_in as os_error_in
 from ._errors import ungrouped as ungrouped
 from ._kserve_documents import model_config_json as model_config_json
+from ._messages import Cancellation as Cancellation
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse
 from ._messages import ParameterizedOutputs as ParameterizedOutputs
 from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
+from ._messages import carried as carried
 from ._messages import parameters_of as parameters_of
+from ._messages import sent_final as sent_final
 from ._observer import Observer as Observer
 from ._requests import RequestOptions as RequestOptions
 from ._requests import check_field_names as check_field_names

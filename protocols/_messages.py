@@ -24,6 +24,22 @@ def _mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return {} if value is None else value
 
 
+class Cancellation:
+    """A request's cancellation, asked for while its caller goes on reading its responses
+    (Triton's ``ResponseIterator.cancel()`` of a BLS call): the model sees it through
+    ``request.is_cancelled()`` and ends the stream when it chooses (a model that ignores it
+    goes on). Set from any thread."""
+
+    __slots__ = ("requested",)
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def cancel(self) -> None:
+        """Ask for the request's cancellation."""
+        self.requested = True
+
+
 @attrs.frozen(kw_only=True)
 class InferRequest:
     """One inference request for one model (or ensemble).
@@ -50,6 +66,9 @@ class InferRequest:
     """The tracing context the request's spans are children of (opaque here: an
     OpenTelemetry ``Context`` when the server traces). Travels with the message, so
     long-lived actors never rely on task-local context."""
+    cancellation: Cancellation | None = attrs.field(default=None, eq=False, repr=False)
+    """Where a caller that keeps reading asks for the request's cancellation (None: it
+    cancels by leaving)."""
 
     def sequence_parameters(self) -> dict[str, ParameterValue]:
         """The response parameters that say which sequence this request belongs to (empty
@@ -101,24 +120,44 @@ class InferRequest:
             sequence_start=self.sequence_start,
             sequence_end=self.sequence_end,
             trace=self.trace if trace is _SAME else trace,
+            cancellation=self.cancellation,
         )
 
 
 class ParameterizedOutputs(dict[str, Any]):
     """A model's outputs for one request together with the response parameters the model
-    set (a python-backend model's ``InferenceResponse(..., parameters={...})``): the runner
-    puts them on the `InferResponse`. Plain outputs (any other mapping) set none."""
+    set (a python-backend model's ``InferenceResponse(..., parameters={...})``) and whether
+    it sent them with its final flag (a decoupled model's last response carrying data): the
+    runner puts both on the `InferResponse`. Plain outputs (any other mapping) set none."""
 
-    __slots__ = ("parameters",)
+    __slots__ = ("final", "parameters")
 
-    def __init__(self, outputs: Mapping[str, Any], parameters: Mapping[str, ParameterValue]):
+    def __init__(
+        self,
+        outputs: Mapping[str, Any],
+        parameters: Mapping[str, ParameterValue],
+        final: bool = False,
+    ) -> None:
         super().__init__(outputs)
         self.parameters = parameters
+        self.final = final
 
 
 def parameters_of(outputs: Tensors) -> Mapping[str, ParameterValue]:
     """The response parameters that came with ``outputs`` (see `ParameterizedOutputs`)."""
     return outputs.parameters if type(outputs) is ParameterizedOutputs else {}
+
+
+def sent_final(outputs: Tensors) -> bool:
+    """Whether ``outputs`` came with the model's final flag (see `ParameterizedOutputs`)."""
+    return type(outputs) is ParameterizedOutputs and outputs.final
+
+
+def carried(raw: Tensors, outputs: Tensors) -> Tensors:
+    """``outputs`` (made from ``raw``) with the parameters and final flag ``raw`` came with."""
+    if type(raw) is not ParameterizedOutputs or (not raw.parameters and not raw.final):
+        return outputs
+    return ParameterizedOutputs(outputs, raw.parameters, raw.final)
 
 
 def _summary(tensors: Tensors) -> str:
@@ -135,3 +174,6 @@ class InferResponse:
     request_id: str = ""
     outputs: Tensors = attrs.field(factory=dict, eq=False, repr=_summary)
     parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)
+    final: bool = False
+    """A decoupled model sent this response with its final flag: the last of its stream
+    (a stream whose final flag came alone ends without such a response)."""

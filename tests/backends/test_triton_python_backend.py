@@ -670,28 +670,140 @@ async def test_a_decoupled_python_model_streams_through_an_ensemble() -> None:
     assert [r["OUT"].tolist() for r in out] == [[2], [2]]
 
 
-async def test_bls_from_a_thread_the_model_starts_says_how_to_reach_the_server() -> None:
-    """A BLS call from a thread the model started itself has no execution to run in: a
-    TritonModelException says so (and how to carry the context over)."""
-    seen: list[str] = []
+class _Squares:
+    """Decoupled: N responses of N, then the final flag alone (Triton's square_int32)."""
 
-    class Stray:
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            for _ in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([n]))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _squares() -> Any:
+    return triton_model(
+        "squares",
+        _Squares,
+        [tensor("N", "INT64", (1,))],
+        [tensor("Y", "INT64", (1,))],
+        model_transaction_policy=ModelTransactionPolicy(decoupled=True),
+    )
+
+
+async def test_bls_from_a_thread_the_model_starts_after_execute_returned() -> None:
+    """As Triton's stub allows (its QA's decoupled_bls_stream): a thread the model started
+    itself makes a decoupled BLS call after ``execute`` returned and answers through the
+    request's sender. The iterator ends with Triton's empty last response (the callee sent
+    its final flag alone); initialize and finalize may not call, in Triton's words."""
+    refused: list[str] = []
+    threads: list[threading.Thread] = []
+
+    class Relay:
+        def initialize(self, args: dict[str, Any]) -> None:
+            self._try_bls()
+
+        def _try_bls(self) -> None:
+            try:
+                pb_utils.InferenceRequest(model_name="squares", inputs=[]).exec()
+            except pb_utils.TritonModelException as exc:
+                refused.append(str(exc))
+
+        def execute(self, requests: list[Any]) -> None:
+            for request in requests:
+                n = pb_utils.get_input_tensor_by_name(request, "N").as_numpy()
+                thread = threading.Thread(
+                    target=self.relay, args=(request.get_response_sender(), n)
+                )
+                threads.append(thread)
+                thread.start()
+
+        def relay(self, sender: Any, n: np.ndarray) -> None:
+            call = pb_utils.InferenceRequest(
+                model_name="squares", inputs=[pb_utils.Tensor("N", n)], requested_output_names=["Y"]
+            )
+            responses = list(call.exec(decoupled=True))
+            empty = [r for r in responses if not r.output_tensors()]
+            seen = np.array([len(responses), len(empty)])
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("COUNTS", seen)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        def finalize(self) -> None:
+            self._try_bls()
+
+    relay = triton_model(
+        "relay",
+        Relay,
+        [tensor("N", "INT64", (1,))],
+        [tensor("COUNTS", "INT64", (2,))],
+        model_transaction_policy=ModelTransactionPolicy(decoupled=True),
+    )
+    async with orchestrion.open_server(models=[_squares(), relay]) as server:
+        for n in (3, 0):
+            out = await _stream(server, "relay", {"N": np.array([n])})
+            assert [o["COUNTS"].tolist() for o in out] == [[n + 1, 1]]
+    for thread in threads:
+        thread.join(10)
+    said = "BLS is only supported during the 'execute' function."
+    assert len(refused) == 2 and all(text.startswith(said) for text in refused)
+
+
+async def test_a_response_iterators_cancel_asks_and_the_model_decides() -> None:
+    """``ResponseIterator.cancel()`` is Triton's: the callee sees ``is_cancelled()`` and
+    ends with a CANCELLED error (which keeps its code); one that ignores it goes on sending,
+    and the caller still reads what it sends."""
+
+    class Until:
+        def execute(self, requests: list[Any]) -> None:
+            request = requests[0]
+            ignore = bool(pb_utils.get_input_tensor_by_name(request, "IGNORE").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(20):
+                if not ignore and request.is_cancelled():
+                    error = pb_utils.TritonError("cancelled here", pb_utils.TritonError.CANCELLED)
+                    sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
+                    return
+                one = pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([1]))])
+                sender.send(one, flags=_FINAL if i == 19 else 0)
+                time.sleep(0.01)
+
+    class Summer:
         def execute(self, requests: list[Any]) -> list[Any]:
-            def call() -> None:
-                try:
-                    pb_utils.InferenceRequest(model_name="x", inputs=[]).exec()
-                except pb_utils.TritonModelException as exc:
-                    seen.append(str(exc))
+            ignore = pb_utils.get_input_tensor_by_name(requests[0], "IGNORE")
+            call = pb_utils.InferenceRequest(
+                model_name="until", inputs=[ignore], requested_output_names=["Y"]
+            )
+            total, codes = 0, []
+            stream = call.exec(decoupled=True)
+            for response in stream:
+                if response.has_error():
+                    codes.append(response.error().code())
+                    break
+                total += int(response.output_tensors()[0].as_numpy()[0])
+                if total == 5:
+                    stream.cancel()
+            out = np.array([total, codes[0] if codes else -1])
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)])]
 
-            thread = threading.Thread(target=call)
-            thread.start()
-            thread.join()
-            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.ones(1, np.float32))])]
+    flag = [tensor("IGNORE", "BOOL", (1,))]
+    until = triton_model(
+        "until",
+        Until,
+        flag,
+        [tensor("Y", "INT64", (1,))],
+        model_transaction_policy=ModelTransactionPolicy(decoupled=True),
+    )
+    summer = triton_model("summer", Summer, flag, [tensor("OUT", "INT64", (2,))])
+    async with orchestrion.open_server(models=[until, summer]) as server:
+        honoured = await server.infer("summer", {"IGNORE": np.array([False])})
+        ignored = await server.infer("summer", {"IGNORE": np.array([True])})
+    assert honoured.outputs["OUT"].tolist() == [5, pb_utils.TritonError.CANCELLED]
+    # the final flag came with the last data response: no empty response after it
+    assert ignored.outputs["OUT"].tolist() == [20, -1]
 
-    definition = triton_model("stray", Stray, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))])
-    async with orchestrion.open_server(models=[definition]) as server:
-        await server.infer("stray", {"X": np.ones(1, np.float32)})
-    assert "contextvars.copy_context().run" in seen[0]
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 async def test_a_model_that_never_calls_the_server_comes_inline() -> None:

@@ -146,6 +146,35 @@ def test_each_response_of_a_decoupled_model_carries_its_own_parameters(server: S
         assert result.as_numpy("OUT")[0].decode() == json.dumps(parameters)
 
 
+def test_a_response_sent_with_the_final_flag_is_the_streams_last(server: Served) -> None:
+    """The final flag sent with a response: that response says ``triton_final_response``
+    true, and no empty final response follows, even when the client asks for one (as
+    Triton's); a final flag sent alone gives the empty one asked for."""
+    with_final = [{"int": 1}, {"with_final": True}]
+    alone = [{"int": 2}]
+    received: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(callback=lambda result, error: received.put((result, error)))
+        for sent, request_id in ((with_final, "with"), (alone, "alone")):
+            client.async_stream_infer(
+                "params_stream",
+                [_text(grpcclient, "PARAMETERS", json.dumps(sent))],
+                request_id=request_id,
+                enable_empty_final_response=True,
+            )
+        client.stop_stream()
+    got = [received.get(timeout=10) for _ in range(4)]
+    assert received.empty()
+    assert all(error is None for _, error in got)
+    finals = {
+        (r.get_response().id, r.get_response().parameters["triton_final_response"].bool_param)
+        for r, _ in got
+    }
+    assert finals == {("with", False), ("with", True), ("alone", False), ("alone", True)}
+    empty = [r.get_response().id for r, _ in got if not r.get_response().outputs]
+    assert empty == ["alone"]
+
+
 def test_a_bls_caller_reads_its_callees_response_parameters(server: Served) -> None:
     """``response.parameters()`` of a BLS call's response, plain and decoupled: the
     parameters the callee set, as JSON text."""
