@@ -108,7 +108,6 @@ class Answer:
         self.token = token
         self.declared = declared
         self.response: InferenceResponse | None = None
-        self.problem: str | None = None
         self._done: threading.Event | None = None
         self.trio_done = trio.Event()
 
@@ -122,11 +121,25 @@ class Answer:
             return self._done
 
     def deliver(self, response: InferenceResponse | None, final: bool) -> None:
-        """A sender's response (from any thread)."""
+        """A sender's response (from any thread). The first one sent is the request's
+        answer, whatever ``execute`` does after (as Triton's: a client already has it).
+
+        Raises:
+            TritonModelException: a second response, or the final flag before a response
+                (Triton's words).
+        """
         if response is not None:
             if self.response is not None:
-                self.problem = "sent more than one response for a request (it is not decoupled)"
+                raise TritonModelException(
+                    "Unable to send response. Non-decoupled model cannot send more than one "
+                    "response."
+                )
             self.response = response
+        elif final and self.response is None:
+            raise TritonModelException(
+                "Unable to send response. Non-decoupled model cannot send complete final "
+                "before sending a response."
+            )
         if final:
             self.done.set()
             if self.token is not None:
@@ -142,8 +155,7 @@ class Answer:
         return self.outcome()
 
     def outcome(self) -> Mapping[str, Any] | Exception:
-        if self.problem is not None:
-            return TritonModelException(self.problem)
+        """The sent response's outputs (or its error)."""
         if self.response is None:
             return TritonModelException(  # Triton's words
                 "Non-decoupled model cannot send complete final before sending a response"

@@ -282,14 +282,19 @@ class TritonPythonBackend(Backend):
         try:
             result = await self.call_async(instance, received, requests[0])
         except Exception as exc:
-            return [self._failed(instance, exc)] * len(requests)
+            failure = self._failed(instance, exc)  # a response already sent stays the answer
+            return [failure if a.response is None else a.outcome() for a in answers]
         if any(r.rescheduled for r in received):
             return [not_reschedulable(self.model.name, async_execute=True)] * len(requests)
         if result is None:
             for answer in answers:
                 await answer.trio_done.wait()
             return [a.outcome() for a in answers]
-        return self._returned(result, answers)
+        outcomes = self._returned(result, answers)
+        for each in outcomes:
+            if isinstance(each, Answer):  # its response comes through its sender
+                await each.trio_done.wait()
+        return [o.outcome() if isinstance(o, Answer) else o for o in outcomes]
 
     def _failed(self, instance: LoadedInstance, exc: Exception) -> InferenceError:
         """``execute`` raised: the error of each of its requests, in Triton's words (and in
@@ -305,7 +310,8 @@ class TritonPythonBackend(Backend):
 
     def _returned(
         self, result: Any, answers: Sequence[Answer]
-    ) -> list[Mapping[str, Any] | Exception]:
+    ) -> list[Mapping[str, Any] | Exception | Answer]:
+        """Per request: its outputs or error, or its `Answer` where the list holds None."""
         if not isinstance(result, list | tuple) or len(result) != len(answers):
             count = len(result) if isinstance(result, list | tuple) else type(result).__name__
             problem = TritonModelException(
@@ -314,12 +320,14 @@ class TritonPythonBackend(Backend):
                 "each request's response sender)"
             )
             return [problem] * len(answers)
-        outcomes: list[Mapping[str, Any] | Exception] = []
+        outcomes: list[Mapping[str, Any] | Exception | Answer] = []
         for item, answer in zip(result, answers, strict=True):
-            if isinstance(item, InferenceResponse):
-                outcomes.append(self.declared.outputs_of(item))
-            elif item is None and answer.response is not None:
+            if answer.response is not None:  # sent: what it returns is dropped, as Triton's
                 outcomes.append(answer.outcome())
+            elif item is None:
+                outcomes.append(answer)
+            elif isinstance(item, InferenceResponse):
+                outcomes.append(self.declared.outputs_of(item))
             else:
                 outcomes.append(
                     TritonModelException(

@@ -69,7 +69,11 @@ class InferenceResponseSender:
                     "Unable to send response. Response sender has been closed."
                 )
             self._closed = final
-        self._deliver(response, final)
+        try:
+            self._deliver(response, final)
+        except Exception:
+            self._closed = False  # refused: the sender stays as it was
+            raise
 
     def is_cancelled(self) -> bool:
         """Whether the request was cancelled (its client went away or timed out)."""

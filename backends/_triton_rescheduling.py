@@ -65,8 +65,8 @@ def run_iterations(
             result = backend.call(instance, batch, requests[pending[0]])
         except Exception as exc:
             failure = backend._failed(instance, exc)
-            for i in pending:
-                outcomes[i] = failure
+            for i in pending:  # a response already sent stays the answer (Triton's)
+                outcomes[i] = failure if answers[i].response is None else answers[i].outcome()
             break
         again = [i for i in pending if received[i].rescheduled]
         if again and not backend.config.iterative:
@@ -117,8 +117,8 @@ def _settle(
     else:  # a malformed result: every request of the call fails, the rescheduled too
         failed = backend._returned(result, [answers[i] for i in ran])
         for i, outcome in zip(ran, failed, strict=True):
-            outcomes[i] = outcome
+            outcomes[i] = outcome.wait() if isinstance(outcome, Answer) else outcome
         again.clear()
         return
     for i, outcome in zip(done, settled, strict=True):
-        outcomes[i] = outcome
+        outcomes[i] = outcome.wait() if isinstance(outcome, Answer) else outcome

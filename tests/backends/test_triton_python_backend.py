@@ -746,7 +746,8 @@ async def test_bls_from_a_thread_the_model_starts_after_execute_returned() -> No
     for thread in threads:
         thread.join(10)
     said = "BLS is only supported during the 'execute' function."
-    assert len(refused) == 2 and all(text.startswith(said) for text in refused)
+    assert len(refused) == 2
+    assert all(text.startswith(said) for text in refused)
 
 
 async def test_a_response_iterators_cancel_asks_and_the_model_decides() -> None:
