@@ -13,6 +13,7 @@ line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -96,7 +97,7 @@ async def _serve(options: ServeOptions, console: Console) -> int:
     shutdown = Shutdown()
     async with ungrouped(trio.open_nursery()) as nursery:
         # Listening from the start: a signal while the models load stops them gracefully
-        # once loaded. The first signal ends this task; `serve` returns only after it.
+        # once loaded; a second exits at once. `serve` returning ends the listener.
         nursery.start_soon(_shut_down_on_signal, shutdown, options.exit_timeout, console)
         endpoints = await nursery.start(_serve_until_stopped, options, shutdown, nursery)
         seconds = time.perf_counter() - started
@@ -119,17 +120,25 @@ async def _serve_until_stopped(
 
 
 async def _shut_down_on_signal(shutdown: Shutdown, exit_timeout: float, console: Console) -> None:
-    """Request ``shutdown`` at the first SIGINT or SIGTERM. A second one then has its usual
-    effect (a KeyboardInterrupt, or the end of the process)."""
+    """Request ``shutdown`` at the first SIGINT or SIGTERM; at a second one, exit at once
+    (status 128 + the signal's number): a stop held up by a model that does not end (a
+    ``finalize`` that never returns, a thread it waits for) is never stuck."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        stopping = False
         async for number in signals:
+            name = signal.Signals(number).name
+            if stopping:
+                console.print(f"{name} again: exiting now, without waiting", highlight=False)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(128 + number)
             console.print(
-                f"{signal.Signals(number).name}: stopping (requests in flight get "
-                f"{exit_timeout:g} s)",
+                f"{name}: stopping (requests in flight get {exit_timeout:g} s; "
+                "send it again to exit at once)",
                 highlight=False,
             )
             shutdown.request()
-            break
+            stopping = True
 
 
 def _validate(root: Path, console: Console) -> int:

@@ -82,7 +82,13 @@ def _sender_model(**config: Any) -> Any:
 
 @pytest.mark.parametrize(
     "config",
-    [{}, {"max_batch_size": 8, "dynamic_batching": DynamicBatching(max_queue_delay_microseconds=50_000)}],
+    [
+        {},
+        {
+            "max_batch_size": 8,
+            "dynamic_batching": DynamicBatching(max_queue_delay_microseconds=50_000),
+        },
+    ],
     ids=["alone", "batched"],
 )
 async def test_the_first_response_sent_is_the_answer(config: dict[str, Any]) -> None:

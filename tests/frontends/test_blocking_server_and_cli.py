@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -269,6 +270,48 @@ def test_cli_serve_exposes_metrics_until_interrupted(tiny_example: Path) -> None
         code = served.stop(how=signal.SIGINT)
     assert code == 0
     assert "stopped" in served.text()
+
+
+_STUCK_FINALIZE = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = pb_utils.Tensor("Y", np.ones(1, np.float32))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+
+    def finalize(self):
+        print("finalize started", flush=True)
+        time.sleep(120)  # a model whose finalize does not end (waits on its own threads)
+"""
+
+
+def test_a_second_signal_exits_at_once_when_a_finalize_hangs(tmp_path: Path) -> None:
+    """The first SIGINT stops gracefully, which waits for every model's finalize; a second
+    one exits at once (status 130) instead of waiting on a finalize that does not end."""
+    folder = tmp_path / "stuck"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(_STUCK_FINALIZE)
+    (folder / "config.pbtxt").write_text(
+        'backend: "python"\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n'
+    )
+    served = start_server(repository=tmp_path)
+    served.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while "finalize started" not in served.text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "finalize started" in served.text()
+    started = time.monotonic()
+    code = served.stop(timeout=20, how=signal.SIGINT)
+    assert code == 128 + signal.SIGINT
+    assert time.monotonic() - started < 10
+    assert "SIGINT again: exiting now" in served.text()
 
 
 def test_cli_runs_the_streaming_example(capsys: pytest.CaptureFixture[str]) -> None:
