@@ -232,6 +232,11 @@ class PushedStream:
         try:
             with self._scope:
                 received = backend._received(request, self._sender)
+                if backend.batches is not None:  # one call of execute with others
+                    failure = await backend.batches.execute(self._instance, received, request)
+                    if failure is not None and not self._sender.closed:
+                        await self._push(failure, True)
+                    return
                 while await self._iteration(received):  # rescheduled: once more
                     if not backend.config.iterative:
                         raise TritonModelException(

@@ -1,5 +1,6 @@
 """The calls a Triton python-backend model's code makes back into the server: BLS
-(``InferenceRequest(...).exec()`` / ``async_exec()``, ``_triton_requests.py``).
+(``InferenceRequest(...).exec()`` / ``async_exec()``, ``_triton_requests.py``), and which
+of them a model's code names (`waits_on_server`, `bls_only`: where its executions may run).
 
 How this works: each call of a model's ``execute`` runs under one `Execution` (a context
 variable, so it follows the code into the worker thread that runs ``execute`` and into the
@@ -56,6 +57,7 @@ from ._triton_api import (
 )
 
 if TYPE_CHECKING:
+    from ..actors._definition import Model
     from ._triton_requests import InferenceRequest
 
 T = TypeVar("T")
@@ -417,3 +419,52 @@ def current_execution(call: str) -> Execution:
             "initialize, finalize or code of no loaded model)"
         )
     return execution
+
+
+_SERVER_CALLS = ("InferenceRequest", "get_response_sender", "is_model_ready", "async_exec")
+"""Names in a model's code that can wait on the server (BLS calls, senders)."""
+
+
+_OFF_THE_LOOP = (
+    "get_response_sender",
+    "async_exec",
+    "threading",
+    "Thread",
+    "concurrent.futures",
+    "multiprocessing",
+)
+"""Names in a model's code that rule out waiting through a portal: a response sender (its
+answers may come from elsewhere while ``execute`` waits), threads or pools of the model's
+own (a BLS call from one would wait on the event loop that its ``execute`` is blocking)."""
+
+
+def bls_only(model: Model) -> bool:
+    """Whether the model's code waits on the server only through synchronous BLS calls
+    (``InferenceRequest(...).exec()``, ``is_model_ready``), none of them from a thread of
+    its own: it can wait through a greenback portal from the event loop."""
+    texts = _code_texts(model)
+    return texts is not None and not any(n in t for t in texts for n in _OFF_THE_LOOP)
+
+
+def _code_texts(model: Model) -> list[str] | None:
+    """The model's code files (its folder's, helpers included), or its class's source;
+    None when they cannot be read."""
+    source = model.source
+    try:
+        if source.endswith(".py"):
+            folder = Path(source).parent
+            return [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
+        return [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return None
+
+
+def waits_on_server(model: Model) -> bool:
+    """Whether the model's code may wait on the server: its code files (the model's folder,
+    helpers beside ``model.py`` included) name a BLS call or a response sender. Such code
+    must never run on the event loop; other code is measured like any plain-Python model's
+    (inline when its executions prove short). Code that cannot be read counts as waiting."""
+    texts = _code_texts(model)
+    if texts is None:
+        return True
+    return any(name in text for text in texts for name in _SERVER_CALLS)

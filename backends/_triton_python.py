@@ -50,8 +50,16 @@ from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
 from ._function import devices, on_host, placement_problems
 from ._triton_answers import Answer, Declared, PushedStream, never
 from ._triton_api import InferenceResponse, TritonModelException
-from ._triton_calls import Execution, cancelled_here, code_places, serving
+from ._triton_calls import (
+    Execution,
+    bls_only,
+    cancelled_here,
+    code_places,
+    serving,
+    waits_on_server,
+)
 from ._triton_config import initialize_args
+from ._triton_decoupled_batches import DecoupledBatches
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
 from ._triton_requests import InferenceRequest, InferenceResponseSender
@@ -118,6 +126,7 @@ class TritonPythonBackend(Backend):
         self.declared = Declared.of(facing)
         """What the config declares of the outputs (and of the state outputs)."""
         self.metrics = MetricStore()
+        self.batches = DecoupledBatches.of(self)
         self._scope = ModelScope(model.name, model.version, self.metrics)
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -433,55 +442,6 @@ class TritonPythonBackend(Backend):
         if self._nursery is None:
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded")
         self._nursery.start_soon(fn)
-
-
-_SERVER_CALLS = ("InferenceRequest", "get_response_sender", "is_model_ready", "async_exec")
-"""Names in a model's code that can wait on the server (BLS calls, senders)."""
-
-
-_OFF_THE_LOOP = (
-    "get_response_sender",
-    "async_exec",
-    "threading",
-    "Thread",
-    "concurrent.futures",
-    "multiprocessing",
-)
-"""Names in a model's code that rule out waiting through a portal: a response sender (its
-answers may come from elsewhere while ``execute`` waits), threads or pools of the model's
-own (a BLS call from one would wait on the event loop that its ``execute`` is blocking)."""
-
-
-def bls_only(model: Model) -> bool:
-    """Whether the model's code waits on the server only through synchronous BLS calls
-    (``InferenceRequest(...).exec()``, ``is_model_ready``), none of them from a thread of
-    its own: it can wait through a greenback portal from the event loop."""
-    texts = _code_texts(model)
-    return texts is not None and not any(n in t for t in texts for n in _OFF_THE_LOOP)
-
-
-def _code_texts(model: Model) -> list[str] | None:
-    """The model's code files (its folder's, helpers included), or its class's source;
-    None when they cannot be read."""
-    source = model.source
-    try:
-        if source.endswith(".py"):
-            folder = Path(source).parent
-            return [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
-        return [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
-    except (OSError, TypeError):
-        return None
-
-
-def waits_on_server(model: Model) -> bool:
-    """Whether the model's code may wait on the server: its code files (the model's folder,
-    helpers beside ``model.py`` included) name a BLS call or a response sender. Such code
-    must never run on the event loop; other code is measured like any plain-Python model's
-    (inline when its executions prove short). Code that cannot be read counts as waiting."""
-    texts = _code_texts(model)
-    if texts is None:
-        return True
-    return any(name in text for text in texts for name in _SERVER_CALLS)
 
 
 STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"

@@ -137,3 +137,57 @@ async def test_a_decoupled_execute_that_returns_responses_fails_in_tritons_words
         "Python model 'returns_0_0' is using the decoupled mode and the execute function "
         "must return None." in str(failed.value)
     )
+
+
+class _Gathered:
+    """Decoupled: each request answered from a thread with the size of the call it came in
+    (and its place in it); the first request of a call gets an error response instead."""
+
+    def execute(self, requests: list[Any]) -> None:
+        for index, request in enumerate(requests):
+            sender = request.get_response_sender()
+            threading.Thread(target=self._answer, args=(sender, index, len(requests))).start()
+
+    @staticmethod
+    def _answer(sender: Any, index: int, size: int) -> None:
+        if index == 0:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError("first of a call"))
+        else:
+            seen = np.array([[size, index]], np.int32)
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("Y", seen)])
+        sender.send(response, flags=FINAL)
+
+
+async def test_a_decoupled_model_with_dynamic_batching_gets_its_requests_in_one_call() -> None:
+    """As Triton's dynamic batcher gives a decoupled python model its requests (its QA's
+    decoupled_execute_error): requests arriving within ``max_queue_delay_microseconds``
+    come in one ``execute(requests)``, each answered through its own sender; a batch is
+    cut at ``max_batch_size`` rows (here 3), the rest coming in the next call."""
+    model = triton_model(
+        "gathered",
+        _Gathered,
+        [tensor("X", "INT32", (1,))],
+        [tensor("Y", "INT32", (2,))],
+        max_batch_size=3,
+        dynamic_batching=DynamicBatching(max_queue_delay_microseconds=1_000_000),
+        model_transaction_policy=ModelTransactionPolicy(decoupled=True),
+    )
+    outcomes: list[Any] = []
+    async with orchestrion.open_server(models=[model]) as server:
+
+        async def ask(value: int) -> None:
+            responses = server.stream_infer("gathered", {"X": np.array([[value]], np.int32)})
+            try:
+                async with contextlib.aclosing(responses) as each:
+                    outcomes.extend([r.outputs["Y"].ravel().tolist() async for r in each])
+            except orchestrion.InferenceError as exc:
+                outcomes.append(str(exc))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for value in range(5):
+                    nursery.start_soon(ask, value)
+                    await trio.sleep(0.01)
+    errors = [o for o in outcomes if isinstance(o, str)]
+    assert errors == ["first of a call"] * 2  # two calls: 3 rows, then 2
+    assert sorted(o for o in outcomes if not isinstance(o, str)) == [[2, 1], [3, 1], [3, 2]]
