@@ -45,6 +45,33 @@ _IMPORTING = threading.Lock()
 """One model's code is imported at a time: the import path is changed while it is."""
 
 
+class CallersModel(ModuleType):
+    """``sys.modules["model"]``: the ``model.py`` of the model whose code is running, as
+    Triton's stub has it (each model's code is the top-level module ``model`` of its own
+    process): Triton's QA models run ``unittest.main("model")`` in ``execute``. Each
+    attribute read finds the innermost model ``model.py`` among the callers' frames."""
+
+    def _callers(self) -> dict[str, Any]:
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith(f"{_MODELS}.") and name.endswith(".model"):
+                return frame.f_globals
+            frame = frame.f_back  # type: ignore[assignment]
+        raise AttributeError(
+            "module 'model' is a model's own model.py, read from that model's code only"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._callers()[name]
+        except KeyError:
+            raise AttributeError(f"module 'model' has no attribute {name!r}") from None
+
+    def __dir__(self) -> list[str]:
+        return list(self._callers())
+
+
 def import_code_file(path: Path, label: str) -> ModuleType:
     """Import a model's code file (a ``model.py``) as a module of its own, never entered in
     ``sys.modules`` (two versions of one model, or two models' helpers, never clash).
@@ -75,6 +102,8 @@ def import_code_file(path: Path, label: str) -> ModuleType:
         if _MODELS not in sys.modules:  # the parent of every model's package (empty)
             root = sys.modules[_MODELS] = ModuleType(_MODELS)
             root.__path__ = []
+        if path.stem == "model" and "model" not in sys.modules:  # no module of that name
+            sys.modules["model"] = CallersModel("model")
         before = set(sys.modules)
         added = [f for f in folders if f not in sys.path]
         sys.path.extend(added)

@@ -140,6 +140,8 @@ class TritonPythonBackend(Backend):
         token = enter_scope(self._scope)
         try:
             return fn(*args)
+        except SystemExit as exc:  # the model's error, never the server's end
+            raise TritonModelException(f"{fn.__name__} raised SystemExit({exc.code!r})") from exc
         finally:
             leave_scope(token)
 
@@ -384,6 +386,8 @@ class TritonPythonBackend(Backend):
         context.run(enter_scope, self._scope)
         try:
             return context.run(instance.params.model.execute, requests)
+        except SystemExit as exc:  # the model's error, never the server's end
+            raise TritonModelException(f"execute raised SystemExit({exc.code!r})") from exc
         finally:
             execution.finish()
             instance.waited_ns = execution.waited_ns

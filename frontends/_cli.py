@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_workers(options)
                 served = list(sys.argv[1:] if argv is None else argv)
                 return trio.run(serve_workers, options, served, console)
+            # The models' code sees the program's name alone, as in Triton's stub (its QA
+            # models run unittest.main, which would read the server's flags as its own).
+            sys.argv[1:] = []
             return trio.run(_serve, options, console)
         return run_command(args, console)
     except (ConfigError, ModelLoadError, CacheUnavailableError) as exc:

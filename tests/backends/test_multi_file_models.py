@@ -173,3 +173,66 @@ def _captured() -> Iterator[list[str]]:
         yield records
     finally:
         logger.removeHandler(handler)
+
+
+SELF_TESTING = """
+import sys
+import unittest
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+VALUE = {value}
+
+
+class Checks(unittest.TestCase):
+    def test_value(self):
+        self.assertEqual(VALUE, {value})
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import model  # this model.py, as in Triton's stub
+
+        result = unittest.main("model", exit=False, verbosity=0).result
+        passed = float(result.wasSuccessful() and result.testsRun == 1)
+        out = np.array([model.VALUE, passed], np.float32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", out)]) for _ in requests]
+"""
+
+
+async def test_a_models_code_reads_itself_as_module_model(tmp_path: Path) -> None:
+    """Triton's QA models run ``unittest.main("model")`` in ``execute``: ``import model``
+    gives the model.py of the model whose code runs (two models, each its own), and the
+    server's own flags are not what unittest reads (``orchestrion serve`` leaves the
+    program's name alone in ``sys.argv``)."""
+    for name, value in (("first", 1), ("second", 2)):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+        (tmp_path / name / "1" / "model.py").write_text(SELF_TESTING.format(value=value))
+    saved = sys.argv[1:]
+    sys.argv[1:] = []
+    try:
+        async with orchestrion.open_server(tmp_path) as server:
+            x = {"X": np.zeros(2, np.float32)}
+            first = await server.infer("first", x)
+            second = await server.infer("second", x)
+    finally:
+        sys.argv[1:] = saved
+    assert first.outputs["Y"].tolist() == [1.0, 1.0]
+    assert second.outputs["Y"].tolist() == [2.0, 1.0]
+
+
+async def test_a_model_raising_system_exit_fails_its_request_only(tmp_path: Path) -> None:
+    """``sys.exit()`` in a model's ``execute`` (unittest.main with its default exit=True)
+    is the request's error; the server goes on serving."""
+    (tmp_path / "leaves" / "1").mkdir(parents=True)
+    (tmp_path / "leaves" / "config.pbtxt").write_text(CONFIG.format(name="leaves"))
+    (tmp_path / "leaves" / "1" / "model.py").write_text(
+        "import sys\n\n\nclass TritonPythonModel:\n"
+        "    def execute(self, requests):\n        sys.exit(3)\n"
+    )
+    async with orchestrion.open_server(tmp_path) as server:
+        for _ in range(2):
+            with pytest.raises(orchestrion.InferenceError, match=r"SystemExit\(3\)"):
+                await server.infer("leaves", {"X": np.zeros(2, np.float32)})
