@@ -255,8 +255,7 @@ class ModelRunner:
                     if not work.abandoned:
                         await self.run_work(instance, work)
             finally:
-                # Stopped from outside (the server's nursery was cancelled): answer what is
-                # still queued, so that no caller waits forever.
+                # Stopped from outside: answer what is still queued (no caller waits forever).
                 while True:
                     try:
                         work = receive.receive_nowait()
@@ -348,8 +347,7 @@ class ModelRunner:
         batch = sum(batch_size(max_batch, r.inputs) for r in requests)
         queue_ns = sum(started - w.enqueued_ns for w in works)
         elapsed = time.perf_counter_ns() - started
-        # The execution's own time (timed in its thread) decides inline or thread, as for
-        # any plain-Python model: a short one comes back onto the event loop.
+        # Its own time (timed in its thread) decides inline or thread: short comes inline.
         self.record(instance, queue_ns, timings, elapsed, batch, True, requests, started)
 
     # -- fast paths ------------------------------------------------------------------------
@@ -488,8 +486,7 @@ class ModelRunner:
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         parameters = self.response_parameters(request, parameters_of(outputs))
-        final = sent_final(outputs)
-        wanted = request.requested_outputs
+        final, wanted = sent_final(outputs), request.requested_outputs
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
         return InferResponse(

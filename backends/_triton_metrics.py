@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import itertools
 import logging
 import math
 import threading
@@ -31,20 +32,45 @@ _log = logging.getLogger("orchestrion.models")
 
 @attrs.define(eq=False)
 class MetricStore:
-    """The custom metric families one loaded model made."""
+    """The custom metric families one loaded model made, by name: a family made again
+    with the same name is the same family (its first description kept), as in Triton."""
 
-    families: list[MetricFamily] = attrs.field(factory=list)
+    families: dict[str, _Family] = attrs.field(factory=dict)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
-    def add(self, family: MetricFamily) -> None:
-        """Keep ``family`` (it shows on ``/metrics`` while the model is loaded)."""
+    def join(self, name: str, description: str, kind: int) -> _Family:
+        """The family ``name`` (made when new), with one more handle on it.
+
+        Raises:
+            TritonModelException: it exists with another kind.
+        """
         with self._lock:
-            self.families.append(family)
+            family = self.families.get(name)
+            if family is None:
+                family = self.families[name] = _Family(name, description, kind, self)
+            elif family.kind != kind:
+                raise TritonModelException(
+                    f"MetricFamily '{name}' exists already as a "
+                    f"{MetricFamily._KINDS[family.kind]}: a family of the same name must have "
+                    "the same kind"
+                )
+            family.handles += 1
+            return family
+
+    def release(self, family: _Family) -> None:
+        """One handle of ``family`` is gone; with the last, the family leaves ``/metrics``
+        and its metrics refuse every operation (Triton's)."""
+        with self._lock:
+            family.handles -= 1
+            if family.handles <= 0:
+                family.deleted = True
+                if self.families.get(family.name) is family:
+                    del self.families[family.name]
 
     def snapshot(self) -> list[CustomMetricFamily]:
         """Every family's current values."""
         with self._lock:
-            families = list(self.families)
+            families = list(self.families.values())
         return [family.snapshot() for family in families]
 
 
@@ -115,9 +141,36 @@ class Logger:
         Logger.log(message, Logger.VERBOSE)
 
 
+@attrs.define(eq=False)
+class _Family:
+    """A metric family as the server keeps it: its series by labels, shared by every
+    `MetricFamily` handle of its name."""
+
+    name: str
+    description: str
+    kind: int
+    store: MetricStore | None
+    handles: int = 0
+    deleted: bool = False
+    series: dict[tuple[tuple[str, str], ...], _Series] = attrs.field(factory=dict)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def snapshot(self) -> CustomMetricFamily:
+        with self.lock:
+            series = list(self.series.values())
+        return CustomMetricFamily(
+            name=self.name,
+            description=self.description,
+            kind=MetricFamily._KINDS[self.kind],
+            samples=tuple(s.snapshot() for s in series),
+        )
+
+
 class MetricFamily:
     """A custom metric family: a name, a description and a kind (`COUNTER`, `GAUGE` or
-    `HISTOGRAM`); its `Metric` objects are its labelled series."""
+    `HISTOGRAM`); its `Metric` objects are its labelled series. Made again with the same
+    name, it is the same family; once every handle of it is deleted, it leaves
+    ``/metrics`` and its metrics refuse every operation (as in Triton)."""
 
     COUNTER = 0
     GAUGE = 1
@@ -135,124 +188,152 @@ class MetricFamily:
             or not all(c.isalnum() or c in "_:" for c in name)
         ):
             raise TritonModelException(f"MetricFamily '{name}': not a valid Prometheus name")
-        self.name = name
-        self.description = description
-        self.kind = kind
-        self._metrics: list[Metric] = []
-        self._lock = threading.Lock()
         try:
             store = _SCOPE.get().metrics
         except LookupError:
             store = None
-        if store is not None:
-            store.add(self)
+        if store is None:  # outside a served model (its unit test): shown nowhere
+            self._family = _Family(name, description, kind, None, handles=1)
+        else:
+            self._family = store.join(name, description, kind)
+        self.name = name
+        self.description = self._family.description
+        self.kind = kind
+
+    def __del__(self) -> None:
+        family = getattr(self, "_family", None)
+        if family is not None and family.store is not None:
+            family.store.release(family)
+        elif family is not None:
+            family.deleted = True
 
     def Metric(
         self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None
     ) -> Metric:
-        """A series of this family with ``labels`` (a histogram needs ``buckets``).
+        """The series of this family with ``labels`` (the same one for the same labels);
+        a histogram needs ``buckets``, strictly ascending.
 
         Raises:
-            TritonModelException: buckets missing for a histogram, or given for another kind.
+            TritonModelException: buckets missing or out of order for a histogram, or
+                given for another kind.
         """
-        metric = Metric(self, dict(labels or {}), buckets)
-        with self._lock:
-            self._metrics.append(metric)
-        return metric
+        return Metric(self._family, dict(labels or {}), buckets)
 
     def snapshot(self) -> CustomMetricFamily:
         """The family's current values."""
-        with self._lock:
-            metrics = list(self._metrics)
-        return CustomMetricFamily(
-            name=self.name,
-            description=self.description,
-            kind=self._KINDS[self.kind],
-            samples=tuple(m.snapshot() for m in metrics),
-        )
+        return self._family.snapshot()
+
+
+@attrs.define(eq=False)
+class _Series:
+    labels: dict[str, str]
+    buckets: list[float]
+    counts: list[int]
+    histogram: bool
+    value: float = 0.0
+    sum: float = 0.0
+    count: int = 0
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def snapshot(self) -> CustomMetricSample:
+        with self.lock:
+            buckets = tuple(zip(self.buckets, self.counts, strict=True))
+            if self.histogram:
+                buckets += ((math.inf, self.count),)
+            return CustomMetricSample(
+                labels=dict(self.labels),
+                value=self.value,
+                buckets=buckets,
+                sum=self.sum,
+                count=self.count,
+            )
+
+
+_DELETED = "Invalid metric operation as the corresponding 'MetricFamily' has been deleted."
 
 
 class Metric:
-    """One labelled series of a `MetricFamily`."""
+    """One labelled series of a `MetricFamily` (two with the same labels share it)."""
 
     def __init__(
-        self, family: MetricFamily, labels: Mapping[str, str], buckets: Sequence[float] | None
+        self, family: _Family, labels: Mapping[str, str], buckets: Sequence[float] | None
     ) -> None:
         histogram = family.kind == MetricFamily.HISTOGRAM
-        if histogram and not buckets:
+        if histogram and buckets is None:
             raise TritonModelException(f"metric of '{family.name}': a histogram needs buckets")
         if buckets and not histogram:
             raise TritonModelException(f"metric of '{family.name}': only histograms take buckets")
+        bounds = [float(b) for b in buckets or ()]
+        if any(later <= earlier for earlier, later in itertools.pairwise(bounds)):
+            raise TritonModelException(
+                f"metric of '{family.name}': histogram buckets must be strictly ascending, "
+                f"got {list(buckets or ())}"
+            )
         self._family = family
-        self._labels = {str(k): str(v) for k, v in labels.items()}
-        self._buckets = sorted(float(b) for b in buckets or ())
-        self._counts = [0] * len(self._buckets)
-        self._value = 0.0
-        self._sum = 0.0
-        self._count = 0
-        self._lock = threading.Lock()
+        named = {str(k): str(v) for k, v in labels.items()}
+        key = tuple(sorted(named.items()))
+        with family.lock:
+            series = family.series.get(key)
+            if series is None:
+                series = family.series[key] = _Series(named, bounds, [0] * len(bounds), histogram)
+        self._series = series
 
-    def _only(self, *kinds: int, call: str) -> None:
+    def _only(self, *kinds: int, call: str) -> _Series:
+        if self._family.deleted:
+            raise TritonModelException(_DELETED)
         if self._family.kind not in kinds:
             kind = MetricFamily._KINDS[self._family.kind]
             raise TritonModelException(f"{call} on a {kind} ('{self._family.name}')")
+        return self._series
 
     def increment(self, value: float) -> None:
         """Add ``value`` (a counter only grows).
 
         Raises:
-            TritonModelException: a negative value for a counter, or a histogram.
+            TritonModelException: a negative value for a counter, a histogram, or the
+                family deleted.
         """
-        self._only(MetricFamily.COUNTER, MetricFamily.GAUGE, call="increment()")
+        series = self._only(MetricFamily.COUNTER, MetricFamily.GAUGE, call="increment()")
         if self._family.kind == MetricFamily.COUNTER and value < 0:
             raise TritonModelException(f"increment({value}) on counter '{self._family.name}'")
-        with self._lock:
-            self._value += value
+        with series.lock:
+            series.value += value
 
     def set(self, value: float) -> None:
         """Set a gauge to ``value``.
 
         Raises:
-            TritonModelException: not a gauge.
+            TritonModelException: not a gauge, or the family deleted.
         """
-        self._only(MetricFamily.GAUGE, call="set()")
-        with self._lock:
-            self._value = float(value)
+        series = self._only(MetricFamily.GAUGE, call="set()")
+        with series.lock:
+            series.value = float(value)
 
     def observe(self, value: float) -> None:
         """Count ``value`` in a histogram.
 
         Raises:
-            TritonModelException: not a histogram.
+            TritonModelException: not a histogram, or the family deleted.
         """
-        self._only(MetricFamily.HISTOGRAM, call="observe()")
-        with self._lock:
-            index = bisect.bisect_left(self._buckets, value)
-            for i in range(index, len(self._counts)):
-                self._counts[i] += 1
-            self._sum += value
-            self._count += 1
+        series = self._only(MetricFamily.HISTOGRAM, call="observe()")
+        with series.lock:
+            index = bisect.bisect_left(series.buckets, value)
+            for i in range(index, len(series.counts)):
+                series.counts[i] += 1
+            series.sum += value
+            series.count += 1
 
     def value(self) -> float:
         """The counter's or gauge's value.
 
         Raises:
-            TritonModelException: a histogram (it has no single value).
+            TritonModelException: a histogram (it has no single value), or the family
+                deleted.
         """
-        self._only(MetricFamily.COUNTER, MetricFamily.GAUGE, call="value()")
-        with self._lock:
-            return self._value
+        series = self._only(MetricFamily.COUNTER, MetricFamily.GAUGE, call="value()")
+        with series.lock:
+            return series.value
 
     def snapshot(self) -> CustomMetricSample:
         """The series' current values."""
-        with self._lock:
-            buckets = tuple(zip(self._buckets, self._counts, strict=True))
-            if buckets:
-                buckets += ((math.inf, self._count),)
-            return CustomMetricSample(
-                labels=dict(self._labels),
-                value=self._value,
-                buckets=buckets,
-                sum=self._sum,
-                count=self._count,
-            )
+        return self._series.snapshot()

@@ -315,7 +315,7 @@ class ServerMetrics(Collector):
                     metric.add_sample(family.name, labels, sample.value)
                     continue
                 for bound, count in sample.buckets:
-                    le = {**labels, "le": _number(bound)}
+                    le = {**labels, "le": _bound(bound)}
                     metric.add_sample(f"{family.name}_bucket", le, count)
                 metric.add_sample(f"{family.name}_sum", labels, sample.sum)
                 metric.add_sample(f"{family.name}_count", labels, sample.count)
@@ -328,6 +328,13 @@ def _escape_label(value: str) -> str:
 
 def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _bound(value: float) -> str:
+    """A histogram bucket's bound as Triton writes it: ``1``, ``2.5``, ``+Inf``."""
+    if math.isfinite(value) and float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return _number(value)
 
 
 def _number(value: float) -> str:

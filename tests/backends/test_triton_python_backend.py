@@ -619,7 +619,7 @@ async def test_custom_metrics_show_on_metrics_while_the_model_is_loaded() -> Non
         labels = 'model="metrics",version="1"'
         assert f"custom_requests_total{{{labels}}} 2.0" in text
         assert f"custom_last_sum{{{labels}}} 8.0" in text
-        assert f'custom_sum_bucket{{{labels},le="1.0"}} 1' in text
+        assert f'custom_sum_bucket{{{labels},le="1"}} 1' in text
         assert f'custom_sum_bucket{{{labels},le="+Inf"}} 2' in text
         assert f"custom_sum_count{{{labels}}} 2" in text
         assert "# TYPE custom_sum histogram" in text

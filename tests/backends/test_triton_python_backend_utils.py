@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
 import triton_python_backend_utils as pb_utils
+
+from orchestrion.backends._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 
 
 def test_tensor_wraps_its_array_and_names_its_type() -> None:
@@ -149,9 +152,8 @@ def test_the_logger_writes_to_python_logging(caplog: pytest.LogCaptureFixture) -
 def test_metric_families_count_outside_a_server() -> None:
     """A counter only grows, a gauge is set, a histogram observes (buckets cumulative); each
     kind refuses what is not its own."""
-    counter = pb_utils.MetricFamily("c_total", "c", pb_utils.MetricFamily.COUNTER).Metric(
-        labels={"a": "1"}
-    )
+    counters = pb_utils.MetricFamily("c_total", "c", pb_utils.MetricFamily.COUNTER)
+    counter = counters.Metric(labels={"a": "1"})
     counter.increment(2)
     counter.increment(3)
     assert counter.value() == 5
@@ -159,7 +161,8 @@ def test_metric_families_count_outside_a_server() -> None:
         counter.increment(-1)
     with pytest.raises(pb_utils.TritonModelException):
         counter.set(1)
-    gauge = pb_utils.MetricFamily("g", "g", pb_utils.MetricFamily.GAUGE).Metric()
+    gauges = pb_utils.MetricFamily("g", "g", pb_utils.MetricFamily.GAUGE)
+    gauge = gauges.Metric()
     gauge.set(7)
     gauge.increment(-2)
     assert gauge.value() == 5
@@ -171,9 +174,43 @@ def test_metric_families_count_outside_a_server() -> None:
     assert [count for _, count in sample.buckets] == [1, 2, 3]
     assert sample.count == 3
     with pytest.raises(pb_utils.TritonModelException, match="needs buckets"):
-        family.Metric()
+        family.Metric(labels={"b": "2"})
+    for unordered in ([2.5, 0.1, 1.0], [1, 1, 2]):
+        with pytest.raises(pb_utils.TritonModelException, match="strictly ascending"):
+            family.Metric(labels={"b": "2"}, buckets=unordered)
+    family.Metric(labels={"b": "3"}, buckets=[])  # only +Inf
     with pytest.raises(pb_utils.TritonModelException, match="not a valid Prometheus name"):
         pb_utils.MetricFamily("1bad-name", "x", pb_utils.MetricFamily.GAUGE)
+
+
+def test_metric_families_share_by_name_and_die_with_their_last_handle() -> None:
+    """As Triton's (its QA's custom_metrics): a family made again with the same name is
+    the same family (the first description kept, another kind refused), two metrics with
+    the same labels are one series, and once every handle of the family is deleted it
+    leaves the model's metrics and its metrics refuse every operation."""
+    store = MetricStore()
+    token = enter_scope(ModelScope("m", 1, store))
+    try:
+        first = pb_utils.MetricFamily("dup", "first", pb_utils.MetricFamily.GAUGE)
+        second = pb_utils.MetricFamily("dup", "second", pb_utils.MetricFamily.GAUGE)
+        with pytest.raises(pb_utils.TritonModelException, match="same kind"):
+            pb_utils.MetricFamily("dup", "x", pb_utils.MetricFamily.COUNTER)
+        one = first.Metric(labels={"k": "v"})
+        same = second.Metric(labels={"k": "v"})
+        one.increment(7.5)
+        assert same.value() == 7.5
+        [shown] = store.snapshot()
+        assert (shown.description, len(shown.samples)) == ("first", 1)
+        del first
+        assert [f.name for f in store.snapshot()] == ["dup"]  # `second` still holds it
+        del second
+        assert store.snapshot() == []
+        said = "Invalid metric operation as the corresponding 'MetricFamily' has been deleted."
+        for call in (lambda: one.set(1), lambda: one.increment(1), one.value):
+            with pytest.raises(pb_utils.TritonModelException, match=re.escape(said)):
+                call()
+    finally:
+        leave_scope(token)
 
 
 def test_calls_into_a_server_outside_execute_say_so() -> None:
