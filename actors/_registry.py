@@ -45,7 +45,7 @@ from ._ensemble import EnsembleRunner
 from ._loaded_models import LoadedModels, Runner
 from ._repository import AUTO_COMPLETE, ConfigReading
 from ._repository_reader import read_repository
-from ._request_router import RequestRouter, caches
+from ._request_router import ModelControlCalls, RequestRouter, caches
 from ._runner import ModelRunner
 from ._stats import StatsRecorder
 
@@ -114,6 +114,11 @@ class ModelRegistry:
         return self._models.runners
 
     # -- lookup (`LoadedModels`) -----------------------------------------------------------
+
+    def use_model_control(self, control: ModelControlCalls | None) -> None:
+        """Where the models' own ``pb_utils.load_model`` / ``unload_model`` go (the
+        served repository's model control; None: refused)."""
+        self._router.control = control
 
     def resolve(self, name: str, version: int = -1) -> Runner:
         """The runner of ``name`` at ``version`` (-1 or 0: the latest loaded).

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
+from typing import Protocol
 
 import attrs
 import trio
@@ -32,6 +33,7 @@ from ..protocols import (
     InferResponse,
     InvalidRequestError,
     ModelConfig,
+    ModelControlError,
     ModelNotFoundError,
     Observer,
     OrchestrionError,
@@ -39,12 +41,25 @@ from ..protocols import (
     shared_outputs,
     stored_outputs_problem,
 )
+from ..protocols._model_load import LoadOverride, load_override_from_files
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._batch_queue import batch_size
 from ._ensemble import EnsembleRunner
 from ._ensemble_fusion import fusable
 from ._loaded_models import LoadedModels, Runner
 from ._runner import ModelRunner
+
+
+class ModelControlCalls(Protocol):
+    """The model control a served repository has (``frontends/_control.py``)."""
+
+    async def load(self, name: str, override: LoadOverride | None = None) -> None:
+        """Load (or reload) ``name`` as a load request would."""
+        ...
+
+    async def unload(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
+        """Unload ``name`` as an unload request would."""
+        ...
 
 
 def caches(config: ModelConfig) -> bool:
@@ -65,11 +80,39 @@ class RequestRouter:
     """The server's response cache; None when the server has none."""
     tracing: RequestTracing | None = None
     """Spans of every request; None when the server does not trace."""
+    control: ModelControlCalls | None = None
+    """Where a model's own ``pb_utils.load_model`` / ``unload_model`` go: the served
+    repository's model control (``orchestrion serve``); None: they are refused."""
 
     @property
     def generation(self) -> int:
         """Counts the changes to the set of loaded runners (`LoadedModels.generation`)."""
         return self.models.generation
+
+    async def load_model(
+        self, name: str, config: str | None, files: Mapping[str, bytes] | None
+    ) -> None:
+        """A model's code loads ``name`` (``pb_utils.load_model``), as a load request of
+        the served repository's model control would.
+
+        Raises:
+            ModelControlError: no model control (an embedded server), or not explicit mode.
+        """
+        await self._control("load_model").load(name, load_override_from_files(config, files))
+
+    async def unload_model(self, name: str, unload_dependents: bool) -> None:
+        """A model's code unloads ``name`` (``pb_utils.unload_model``)."""
+        parameters = {"unload_dependents": unload_dependents}
+        await self._control("unload_model").unload(name, parameters)
+
+    def _control(self, call: str) -> ModelControlCalls:
+        if self.control is None:
+            raise ModelControlError(
+                f"{call} from a model's code needs a served repository's model control "
+                "(orchestrion serve --model-control-mode=explicit); in-process, load and "
+                "unload with the server's load_model / unload_model"
+            )
+        return self.control
 
     def resolve(self, name: str, version: int = -1) -> Runner:
         """The runner of ``name`` at ``version`` (`LoadedModels.resolve`)."""

@@ -90,6 +90,17 @@ class ServerCalls(Protocol):
         """Whether ``name`` (at ``version``; -1: any) is loaded and serving."""
         ...
 
+    async def load_model(
+        self, name: str, config: str | None, files: Mapping[str, bytes] | None
+    ) -> None:
+        """Load (or reload) ``name``, with a config (JSON text) and files instead of the
+        repository's where given, as a load request would."""
+        ...
+
+    async def unload_model(self, name: str, unload_dependents: bool) -> None:
+        """Unload ``name`` (and the ensembles that use it, with ``unload_dependents``)."""
+        ...
+
 
 @attrs.define(eq=False)
 class LoadedInstance:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..protocols import Cancellation, InferRequest
+from ..protocols import Cancellation, InferRequest, OrchestrionError
 from ._triton_api import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
@@ -296,26 +296,33 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     return calls.is_ready(str(model_name), int(model_version) if model_version else -1)
 
 
-def _model_control(call: str) -> TritonModelException:
-    return TritonModelException(
-        f"{call}: loading and unloading models from a model's code is not supported by "
-        "orchestrion; use the server's model control (the load API, explicit or poll mode)"
-    )
+def _controlled(call: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run a model control call of the server from the model's code, and wait for it."""
+    execution = current_execution(call)
+    try:
+        execution.to_trio(fn, *args)
+    except OrchestrionError as exc:  # refused, or the load failed: the model's to handle
+        raise TritonModelException(f"{call}: {exc}") from exc
 
 
 def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None) -> None:
-    """Triton's model loading API from a model's code (not offered).
+    """Load (or reload) ``model_name`` from a model's code, as Triton's: with ``config``
+    (a model config's JSON text) and ``files`` (``{"file:1/model.onnx": bytes}``) instead of
+    the repository's where given. As in Triton, only a server in explicit model control
+    mode (``orchestrion serve --model-control-mode=explicit``) allows it.
 
     Raises:
-        TritonModelException: always, naming the call.
+        TritonModelException: refused, or the load failed (the reason given).
     """
-    raise _model_control("load_model")
+    calls = current_execution("load_model")._server("load_model")
+    _controlled("load_model", calls.load_model, str(model_name), config, files)
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    """Triton's model unloading API from a model's code (not offered).
+    """Unload ``model_name`` from a model's code, as Triton's (explicit mode only).
 
     Raises:
-        TritonModelException: always, naming the call.
+        TritonModelException: refused, or the unload failed (the reason given).
     """
-    raise _model_control("unload_model")
+    calls = current_execution("unload_model")._server("unload_model")
+    _controlled("unload_model", calls.unload_model, str(model_name), bool(unload_dependents))

@@ -134,6 +134,23 @@ def load_override_from_grpc(parameters: Mapping[str, Any]) -> LoadOverride:
     return LoadOverride(config=config, files=files)
 
 
+def load_override_from_files(config: str | None, files: Mapping[str, bytes] | None) -> LoadOverride:
+    """The override a model's code gives ``pb_utils.load_model``: the config's JSON text
+    ("" or None: none) and files by ``file:`` name, as bytes.
+
+    Raises:
+        InvalidRequestError: a file name without the ``file:`` prefix, or not bytes.
+    """
+    paths: dict[str, bytes] = {}
+    for name, data in (files or {}).items():
+        if not name.startswith(FILE_PREFIX) or not isinstance(data, bytes):
+            raise InvalidRequestError(
+                f"load_model file '{name:.100}': give files as {{'{FILE_PREFIX}<path>': bytes}}"
+            )
+        paths[_file_path(name)] = data
+    return LoadOverride(config=config or None, files=paths)
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key, value in pairs:

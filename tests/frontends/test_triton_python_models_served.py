@@ -121,7 +121,7 @@ def test_custom_metrics_are_scraped_with_tritons(server: Served) -> None:
     assert status == 200
     text = body.decode()
     assert 'custom_requests_total{model="metrics",version="1"} 1.0' in text
-    assert 'custom_sum_bucket{model="metrics",version="1",le="10.0"} 1' in text
+    assert 'custom_sum_bucket{model="metrics",version="1",le="10"} 1' in text
     assert 'nv_inference_request_success{model="metrics",version="1"} 1' in text
 
 
