@@ -36,7 +36,9 @@ class MetricStore:
     with the same name is the same family (its first description kept), as in Triton."""
 
     families: dict[str, _Family] = attrs.field(factory=dict)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _lock: threading.RLock = attrs.field(factory=threading.RLock)
+    """Reentrant: a handle's ``__del__`` (which releases its family) may run in the middle
+    of this store's own work, when the garbage collector runs there."""
 
     def join(self, name: str, description: str, kind: int) -> _Family:
         """The family ``name`` (made when new), with one more handle on it.
