@@ -28,7 +28,7 @@ from opentelemetry import trace
 
 from ._server import AsyncServer
 from ._server import open_server as open_trio_server
-from .actors import Model
+from .actors import TRITON_BACKEND_DIRECTORY, Model
 from .backends._asyncio_bridge import TrioBridge, call_sync
 from .protocols import (
     CacheStatistics,
@@ -200,6 +200,7 @@ async def open_server(
     observers: Sequence[Observer] = (),
     auto_complete_config: bool = True,
     model_config_name: str = "",
+    backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
 ) -> AsyncIterator[AioServer]:
     """Open an orchestrion server from asyncio code; models are ready on entry.
 
@@ -231,6 +232,7 @@ async def open_server(
         observers=observers,
         auto_complete_config=auto_complete_config,
         model_config_name=model_config_name,
+        backend_directory=backend_directory,
     )
     loop = asyncio.get_running_loop()
     started: asyncio.Future[tuple[AsyncServer, TrioBridge, trio.lowlevel.TrioToken, trio.Event]]

@@ -22,7 +22,7 @@ import sniffio
 from opentelemetry import trace
 
 from ._server import AsyncServer, CacheTierLink, open_server
-from .actors import Model
+from .actors import TRITON_BACKEND_DIRECTORY, Model
 from .protocols import (
     CacheStatistics,
     InferResponse,
@@ -55,6 +55,7 @@ class Server:
         observers: Sequence[Observer] = (),
         auto_complete_config: bool = True,
         model_config_name: str = "",
+        backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
     ) -> None:
         self._open = functools.partial(
             open_server,
@@ -68,6 +69,7 @@ class Server:
             observers=observers,
             auto_complete_config=auto_complete_config,
             model_config_name=model_config_name,
+            backend_directory=backend_directory,
         )
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None

@@ -24,7 +24,7 @@ import trio
 from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
-from .actors import ConfigReading, Model, ModelRegistry
+from .actors import TRITON_BACKEND_DIRECTORY, ConfigReading, Model, ModelRegistry
 from .actors._watchdog import watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
@@ -42,17 +42,15 @@ from .protocols import (
     StepStatistics,
     new_request,
     parse_cache_config,
-    parse_trace_config,
 )
 from .protocols._errors import ungrouped
 from .telemetry import (
     RequestTracing,
     extract_traceparent,
     make_metrics_registry,
-    make_tracer_provider,
     metrics_text,
     open_metrics_endpoint,
-    request_tracing,
+    open_request_tracing,
 )
 
 _log = logging.getLogger("orchestrion")
@@ -386,6 +384,7 @@ async def open_server(
     observers: Sequence[Observer] = (),
     auto_complete_config: bool = True,
     model_config_name: str = "",
+    backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
 ) -> AsyncIterator[AsyncServer]:
     """Open an orchestrion server in a nursery of its own; models are ready on entry.
 
@@ -409,10 +408,13 @@ async def open_server(
         observers: receivers of runtime events (metrics, traces, tests).
         auto_complete_config: a python-backend model's ``auto_complete_config`` (an ONNX
             model's graph) completes its repository config, and may stand in for a missing
-            ``config.pbtxt``; False
-            (Triton's ``--disable-auto-complete-config``): every folder needs a complete one.
+            ``config.pbtxt``; False (Triton's ``--disable-auto-complete-config``): every
+            folder needs a complete one.
         model_config_name: read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt``
             in the repository folders that have one (Triton's ``--model-config-name``).
+        backend_directory: where python-based backends are (Triton's
+            ``--backend-directory``): a config whose ``backend`` is none of orchestrion's
+            own runs ``<backend_directory>/<backend>/model.py``.
 
     Raises:
         ConfigError: the repository, a config or the cache settings are invalid, or the
@@ -421,22 +423,18 @@ async def open_server(
         CacheUnavailableError: the cache's backend (Redis) cannot be reached or refuses
             the credentials.
     """
-    try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        library = "no event loop"
-    if library != "trio":
-        raise RuntimeError(
-            f"open_server runs on trio, but was called from {library}; from asyncio (or "
-            "plain code) use the blocking orchestrion.Server, see docs/guide.md"
-        )
+    _refuse_other_loops()
     settings = parse_cache_config(cache_config)
-    reading = ConfigReading(auto_complete=auto_complete_config, config_name=model_config_name)
+    reading = ConfigReading(
+        auto_complete=auto_complete_config,
+        config_name=model_config_name,
+        backend_directory=Path(backend_directory),
+    )
     # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
     # the cache they used.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(watch_event_loop())
-        tracer = await _tracing(stack, tracing)
+        tracer = await open_request_tracing(stack, tracing)
         actor: CacheActor | None = None
         if settings is not None:
             cache = await open_cache(settings)
@@ -451,27 +449,21 @@ async def open_server(
         yield server
 
 
-async def _tracing(
-    stack: contextlib.AsyncExitStack,
-    tracing: str | Sequence[str] | trace.TracerProvider | None,
-) -> RequestTracing | None:
-    """The runtime's tracing; a provider made here is shut down (flushed) by ``stack``."""
-    if tracing is None:
-        return None
-    if isinstance(tracing, trace.TracerProvider):
-        return request_tracing(tracing)  # the application's: it shuts it down
-    config = parse_trace_config(tracing)
-    if config is None:
-        return None
-    provider = make_tracer_provider(config)
+def _refuse_other_loops() -> None:
+    """Refuse `open_server` outside trio, saying what to use there.
 
-    async def shutdown() -> None:
-        # Flushing exports over the network: off the event loop, and even when cancelled.
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(provider.shutdown)
-
-    stack.push_async_callback(shutdown)
-    return request_tracing(provider, root_rate=config.rate)
+    Raises:
+        RuntimeError: the caller runs on another event loop, or on none.
+    """
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = "no event loop"
+    if library != "trio":
+        raise RuntimeError(
+            f"open_server runs on trio, but was called from {library}; from asyncio (or "
+            "plain code) use the blocking orchestrion.Server, see docs/guide.md"
+        )
 
 
 @contextlib.asynccontextmanager

@@ -5,6 +5,7 @@ from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
+from ._repository import TRITON_BACKEND_DIRECTORY as TRITON_BACKEND_DIRECTORY
 from ._repository import ConfigReading as ConfigReading
 from ._repository import RepositoryEntry as RepositoryEntry
 from ._repository import is_model_folder as is_model_folder

@@ -25,6 +25,7 @@ from ..protocols import (
     INITIAL_STATE_FOLDER,
     ONNX_BACKEND,
     ONNX_PLATFORM,
+    OWN_BACKENDS,
     ModelConfig,
     SequenceTensors,
     initial_state_problem,
@@ -91,6 +92,10 @@ class Model:
         initial_states: the bytes of each implicit state's ``initial_state`` ``data_file``
             (by the state's ``input_name``), in row-major order; a repository's model reads
             them from its ``initial_state/`` folder.
+        directory: the version folder a repository's model was read from (its files beside
+            the code: a python-backend model's ``pb_utils.get_model_dir()``, and its folder
+            is Triton's ``model_repository`` argument); None for a model made in Python
+            (then the folder of ``source``, when that is a file).
     """
 
     config: ModelConfig
@@ -107,6 +112,7 @@ class Model:
     revision: str = attrs.field(factory=lambda: secrets.token_hex(16))
     labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
     initial_states: Mapping[str, bytes] = attrs.field(factory=dict, repr=False)
+    directory: Path | None = None
 
     @property
     def name(self) -> str:
@@ -144,6 +150,13 @@ def check_model(model: Model) -> list[str]:
                 f"{', '.join(m.value for m in FusionMode)}, got '{fusion}'"
             ]
         return []
+    if config.backend not in OWN_BACKENDS and model.triton_model is None:
+        return [
+            f"{in_config}: backend '{config.backend}' is not supported (orchestrion runs "
+            "Python/JAX models: backend 'python', 'jax' or empty; ONNX models: "
+            f"'{ONNX_BACKEND}'; a python-based backend's TritonPythonModel: triton_model, "
+            "or a repository's model with --backend-directory)"
+        ]
     if model.triton_model is not None:
         if model.execute is not None or model.initialize is not None:
             return [f"{where}: a Triton python model (triton_model) has no execute or initialize"]

@@ -21,26 +21,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-import xxhash
 
 from ..backends import auto_complete, complete_onnx_config, import_code_file
 from ..protocols import (
     ENSEMBLE_PLATFORM,
-    INITIAL_STATE_FOLDER,
     ONNX_PLATFORM,
+    OWN_BACKENDS,
     ConfigError,
     ModelConfig,
-    ModelLoadError,
-    SequenceTensors,
     VersionPolicy,
-    format_model_config,
     parse_model_config,
-    sequence_problems,
 )
 from ._definition import Model, check_model
+from ._model_files import read_initial_states, read_labels, revision
 
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.py"
+TRITON_BACKEND_DIRECTORY = "/opt/tritonserver/backends"
+"""Triton's default ``--backend-directory``."""
 DEFAULT_ONNX_FILE = "model.onnx"
 _log = logging.getLogger("orchestrion")
 
@@ -69,6 +67,17 @@ class ConfigReading:
     config_name: str = attrs.field(default="", converter=_config_name)
     """Read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt`` in the folders that
     have one (Triton's ``--model-config-name``); "": always ``config.pbtxt``."""
+    backend_directory: Path = attrs.field(default=Path(TRITON_BACKEND_DIRECTORY), converter=Path)
+    """Where python-based backends are (Triton's ``--backend-directory``, and its default):
+    a config whose ``backend`` is none of orchestrion's own runs
+    ``<backend_directory>/<backend>/model.py`` for each of its versions."""
+
+    def backend_file(self, config: ModelConfig) -> Path | None:
+        """The ``model.py`` of the python-based backend ``config`` names (None: the model
+        runs on a backend of orchestrion's own, or is an ensemble or an ONNX model)."""
+        if config.backend in OWN_BACKENDS or config.is_ensemble or config.is_onnx:
+            return None
+        return self.backend_directory / config.backend / DEFAULT_MODEL_FILE
 
     def config_file(self, folder: Path) -> str:
         """The config file of ``folder``, relative to it (it may not exist)."""
@@ -100,10 +109,15 @@ class RepositoryEntry:
     auto_complete: bool = True
     """Whether a python-backend model's ``auto_complete_config`` (an ONNX model's graph)
     completes the config."""
+    backend_file: Path | None = None
+    """The ``model.py`` of the python-based backend that runs every version (None: the
+    version folders hold the code)."""
 
     def model_file(self, version: int) -> Path:
         """The code file of ``version`` (an ONNX model's graph; a folder of that name holds
-        it as ``model.onnx``, as in Triton)."""
+        it as ``model.onnx``, as in Triton; a python-based backend's ``model.py``)."""
+        if self.backend_file is not None:
+            return self.backend_file
         onnx = self.config.is_onnx
         default = DEFAULT_ONNX_FILE if onnx else DEFAULT_MODEL_FILE
         path = self.path / str(version) / (self.config.default_model_filename or default)
@@ -238,14 +252,33 @@ def scan_model_folder(
         config_source="" if override is None else config_source,
         config_file=config_file,
         auto_complete=reading.auto_complete,
+        backend_file=reading.backend_file(config),
     )
-    if not config.is_ensemble:
-        for version in versions:
-            code = entry.model_file(version)
-            if not code.is_file():
-                what = "ONNX graph" if config.is_onnx else "code"
-                errors.append(f"{code}: missing (the {what} of version {version})")
-    return entry, errors
+    return entry, errors + _code_problems(entry, config_source)
+
+
+def _code_problems(entry: RepositoryEntry, config_source: str) -> list[str]:
+    """What is missing of the code of ``entry``'s versions: a python-based backend, or a
+    version's ``model.py`` (an ONNX model's graph)."""
+    config = entry.config
+    backend_file = entry.backend_file
+    if backend_file is not None:
+        if backend_file.is_file():
+            return []
+        return [
+            f"{config_source}: field backend: '{config.backend}' is not one of "
+            "orchestrion's backends (python, jax, onnxruntime), and no python-based "
+            f"backend of that name is in the backend directory ({backend_file} does not "
+            "exist; serve --backend-directory names the directory)"
+        ]
+    if config.is_ensemble:
+        return []
+    what = "ONNX graph" if config.is_onnx else "code"
+    return [
+        f"{code}: missing (the {what} of version {version})"
+        for version in entry.versions
+        if not (code := entry.model_file(version)).is_file()
+    ]
 
 
 def scan_repository(
@@ -274,44 +307,6 @@ def scan_repository(
     return entries, errors
 
 
-_SKIPPED = ("__pycache__",)
-
-
-def revision(entry: RepositoryEntry, version: int) -> str:
-    """The fingerprint of what answers for ``version`` of ``entry``: its config (as parsed,
-    so formatting does not matter) and every file of its version folder (names and bytes,
-    the model's helpers and weights too; byte caches skipped). Equal on every replica that
-    has the same files; different once any of them changes.
-
-    Raises:
-        ModelLoadError: a file of the version folder cannot be read.
-    """
-    hasher = xxhash.xxh3_128()
-
-    def part(data: bytes) -> None:
-        hasher.update(len(data).to_bytes(8, "little"))
-        hasher.update(data)
-
-    part(format_model_config(entry.config).encode())
-    folder = entry.path / str(version)
-    try:
-        files = sorted(
-            p
-            for p in folder.rglob("*")
-            if p.is_file() and not any(s in p.relative_to(folder).parts for s in _SKIPPED)
-        )
-        for path in files:
-            part(path.relative_to(folder).as_posix().encode())
-            with path.open("rb") as handle:
-                size = path.stat().st_size
-                hasher.update(size.to_bytes(8, "little"))
-                while chunk := handle.read(1 << 20):
-                    hasher.update(chunk)
-    except OSError as exc:
-        raise ModelLoadError(f"{folder}: cannot be read: {exc}") from exc
-    return hasher.hexdigest()
-
-
 def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     """Import the ``model.py`` of one version and bind it to its config.
 
@@ -338,11 +333,12 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     path = entry.model_file(version)
     if config.is_onnx:
         return _onnx_model(entry, version, config_source, fingerprint, labels, initial_states)
+    directory = entry.path / str(version)
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):
         if entry.auto_complete:
-            config = auto_complete(triton_model, config, config_source)
+            config = auto_complete(triton_model, config, config_source, directory, version)
         return _checked(
             Model(
                 config=config,
@@ -354,7 +350,13 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
                 revision=fingerprint,
                 labels=labels,
                 initial_states=initial_states,
+                directory=directory,
             )
+        )
+    if entry.backend_file is not None:
+        raise ConfigError(
+            f"{path}: defines no TritonPythonModel class (the model.py of python-based "
+            f"backend '{config.backend}', which runs model '{entry.name}')"
         )
     if not entry.config_source and not (entry.path / entry.config_file).is_file():
         raise ConfigError(
@@ -373,6 +375,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             config_source=config_source,
             revision=fingerprint,
             labels=labels,
+            directory=directory,
         )
     )
 
@@ -418,79 +421,3 @@ def _checked(model: Model) -> Model:
     if errors:
         raise ConfigError(errors)
     return model
-
-
-MAX_LABELS_FILE = 64 * 1024 * 1024
-"""The largest ``label_filename`` read (bytes): a million labels of 60 characters."""
-
-
-def read_labels(entry: RepositoryEntry) -> dict[str, tuple[str, ...]]:
-    """The class labels of each output that names a ``label_filename``: one per line of a
-    file inside the model's folder.
-
-    Raises:
-        ConfigError: the file is missing, outside the model folder, too large, or not UTF-8.
-    """
-    labels: dict[str, tuple[str, ...]] = {}
-    for output in entry.config.output:
-        if not output.label_filename:
-            continue
-        where = f"{entry.path / CONFIG_FILE}: output '{output.name}': label_filename"
-        data = _read_in_folder(entry.path, output.label_filename, where, MAX_LABELS_FILE)
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            raise ConfigError(f"{where} '{output.label_filename}' is not UTF-8 text") from None
-        lines = text.split("\n")  # only newlines: a label's index is its line number
-        if lines and not lines[-1]:
-            lines.pop()
-        labels[output.name] = tuple(line.removesuffix("\r") for line in lines)
-    return labels
-
-
-MAX_INITIAL_STATE_FILE = 256 * 1024 * 1024
-"""The largest ``initial_state`` ``data_file`` read (bytes)."""
-
-
-def read_initial_states(entry: RepositoryEntry) -> dict[str, bytes]:
-    """The bytes of each implicit state's ``initial_state`` ``data_file`` (by the state's
-    ``input_name``), from the model folder's ``initial_state/`` (as in Triton).
-
-    Raises:
-        ConfigError: a file is missing, outside that folder, or too large.
-    """
-    config = entry.config
-    if config.sequence_batching is None or sequence_problems(config):
-        return {}  # the config's problems are reported with it
-    folder = entry.path / INITIAL_STATE_FOLDER
-    found = {}
-    for state in SequenceTensors.of(config).states:
-        if state.data_file:
-            where = (
-                f"{entry.path / entry.config_file}: sequence_batching state "
-                f"'{state.input_name}': initial_state data_file"
-            )
-            found[state.input_name] = _read_in_folder(
-                folder, state.data_file, where, MAX_INITIAL_STATE_FILE
-            )
-    return found
-
-
-def _read_in_folder(folder: Path, name: str, where: str, limit: int) -> bytes:
-    """The bytes of the file ``name`` inside ``folder``.
-
-    Raises:
-        ConfigError: it is missing, outside the folder, or larger than ``limit`` bytes.
-    """
-    root = folder.resolve()
-    path = (root / name).resolve()
-    if not path.is_relative_to(root):
-        raise ConfigError(f"{where} '{name}' is outside the folder {root}")
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise ConfigError(f"{where} '{name}' cannot be read: {exc}") from exc
-    if len(data) > limit:
-        raise ConfigError(f"{where} '{name}' is larger than {limit} bytes")
-    return data

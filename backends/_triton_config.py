@@ -28,6 +28,7 @@ from ..protocols import (
     model_config_to_dict,
 )
 from ..protocols import ModelConfig as ServedConfig
+from ._triton_metrics import ModelScope, enter_scope, leave_scope
 
 _COMPLETED = ("max_batch_size", "input", "output", "dynamic_batching", "model_transaction_policy")
 _INPUT_FIELDS = ("name", "data_type", "dims", "optional")
@@ -164,9 +165,16 @@ def triton_json(config: ServedConfig) -> dict[str, Any]:
     return model_config_json(config)
 
 
-def auto_complete(model_class: type, config: ServedConfig, source: str) -> ServedConfig:
+def auto_complete(
+    model_class: type,
+    config: ServedConfig,
+    source: str,
+    directory: Path | None = None,
+    version: int = 1,
+) -> ServedConfig:
     """``config`` completed by the model's static ``auto_complete_config`` (the config as
-    it is when the class has none).
+    it is when the class has none), which runs as ``version`` of the model (its folder
+    ``directory``, for ``pb_utils.get_model_dir()``).
 
     Raises:
         ConfigError: the function raised, returned something else than the config, or set
@@ -179,12 +187,15 @@ def auto_complete(model_class: type, config: ServedConfig, source: str) -> Serve
     if not config.model_transaction_policy:
         document.pop("model_transaction_policy", None)  # not set by the config: free to set
     given = ModelConfig(json.dumps(document))
+    scope = enter_scope(ModelScope(config.name, version, directory=str(directory or "")))
     try:
         returned = complete(given)
     except Exception as exc:
         raise ConfigError(
             f"{source}: auto_complete_config failed: {type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        leave_scope(scope)
     if not isinstance(returned, ModelConfig):
         raise ConfigError(
             f"{source}: auto_complete_config must return the pb_utils.ModelConfig it was "

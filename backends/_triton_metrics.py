@@ -78,11 +78,13 @@ class MetricStore:
 
 @attrs.frozen
 class ModelScope:
-    """Which model's code is running: its name and where its metrics go."""
+    """Which model's code is running: its name, where its metrics go and its folder."""
 
     name: str
     version: int
     metrics: MetricStore | None = None
+    directory: str = ""
+    """The version folder (``pb_utils.get_model_dir()``; "": a model made in Python)."""
 
 
 _SCOPE: contextvars.ContextVar[ModelScope] = contextvars.ContextVar("orchestrion_model_scope")
@@ -96,6 +98,29 @@ def enter_scope(scope: ModelScope) -> contextvars.Token[ModelScope]:
 def leave_scope(token: contextvars.Token[ModelScope]) -> None:
     """Undo `enter_scope`."""
     _SCOPE.reset(token)
+
+
+def get_model_dir() -> str:
+    """The folder of the running model's version (``<repository>/<model>/<version>``, a
+    python-based backend's model too), as Triton's ``pb_utils.get_model_dir()``: from the
+    model's ``auto_complete_config``, ``initialize``, ``execute`` and ``finalize``.
+
+    Raises:
+        TritonModelException: outside a model's code, or the model was made in Python
+            (it has no folder).
+    """
+    try:
+        directory = _SCOPE.get().directory
+    except LookupError:
+        raise TritonModelException(
+            "get_model_dir() is only available in a model's code (auto_complete_config, "
+            "initialize, execute, finalize)"
+        ) from None
+    if not directory:
+        raise TritonModelException(
+            "get_model_dir(): this model was made in Python and has no model folder"
+        )
+    return directory
 
 
 class Logger:

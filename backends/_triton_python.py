@@ -127,7 +127,8 @@ class TritonPythonBackend(Backend):
         """What the config declares of the outputs (and of the state outputs)."""
         self.metrics = MetricStore()
         self.batches = DecoupledBatches.of(self)
-        self._scope = ModelScope(model.name, model.version, self.metrics)
+        directory = model_folder(model)
+        self._scope = ModelScope(model.name, model.version, self.metrics, str(directory or ""))
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +155,8 @@ class TritonPythonBackend(Backend):
         """
         config = self.config
         source = self.model.source
-        folder = Path(source).parents[1] if source.endswith(".py") else None
+        version_folder = model_folder(self.model)
+        folder = version_folder.parent if version_folder is not None else None
         kinds = [
             (g.kind, f"{g.name or f'{config.name}_{n}'}_{i}")  # Triton's instance names
             for n, g in enumerate(config.instance_group)
@@ -451,6 +453,14 @@ class TritonPythonBackend(Backend):
 STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"
 """Characters Triton's python backend refuses in a model's name (its stub's name): its
 words, "Invalid stub name: contains invalid characters", are what its QA looks for."""
+
+
+def model_folder(model: Model) -> Path | None:
+    """The version folder of ``model`` (given, or the folder of its ``model.py``; None: a
+    class made in Python)."""
+    if model.directory is not None:
+        return model.directory
+    return Path(model.source).parent if model.source.endswith(".py") else None
 
 
 def triton_problems(model: Model, where: str, in_config: str) -> list[str]:

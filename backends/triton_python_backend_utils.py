@@ -65,6 +65,7 @@ from orchestrion.backends._triton_config import ModelConfig as ModelConfig
 from orchestrion.backends._triton_metrics import Logger as Logger
 from orchestrion.backends._triton_metrics import Metric as Metric
 from orchestrion.backends._triton_metrics import MetricFamily as MetricFamily
+from orchestrion.backends._triton_metrics import get_model_dir as get_model_dir
 from orchestrion.backends._triton_requests import InferenceRequest as InferenceRequest
 from orchestrion.backends._triton_requests import (
     InferenceResponseSender as InferenceResponseSender,

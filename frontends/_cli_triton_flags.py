@@ -5,13 +5,13 @@ How this works: `add_triton_flags` declares, in one argument group, the flags of
 its endpoints, limits and models. Those that apply are honoured: the log flags
 (`LogSettings`), ``--id`` (the server's name in its metadata), ``--exit-on-error``,
 ``--disable-auto-complete-config`` and the deprecated ``--strict-model-config``,
-``--model-config-name``, ``--model-store`` (``--model-repository`` by another name), and the
-gRPC keepalive and connection-age flags and ``--reuse-grpc-port``
-(the grpcio server options Triton sets from them, `GRPC_CHANNEL_ARGS`). Those that cannot
-apply here (backends, GPUs, thread pools, Triton's own trace files...) are accepted with
-Triton's value types and ignored; `triton_settings` prints one warning naming those given.
-The few whose silent absence would mislead (TLS, SageMaker and Vertex AI endpoints) are a
-start-up error when switched on.
+``--model-config-name``, ``--backend-directory`` (where python-based backends are),
+``--model-store`` (``--model-repository`` by another name), and the gRPC keepalive and
+connection-age flags and ``--reuse-grpc-port`` (the grpcio server options Triton sets from them,
+`GRPC_CHANNEL_ARGS`). Those that cannot apply here (compiled backends, GPUs, thread pools,
+Triton's own trace files...) are accepted with Triton's value types and ignored;
+`triton_settings` prints one warning naming those given. The few whose silent absence would
+mislead (TLS, SageMaker and Vertex AI endpoints) are a start-up error when switched on.
 
 Triton's boolean flags take ``true``/``false``/``on``/``off``/``1``/``0`` (``--flag=value``
 or ``--flag value``); orchestrion also takes a bare ``--flag`` as true.
@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 from rich.console import Console
 
+from ..actors import TRITON_BACKEND_DIRECTORY, ConfigReading
 from ..protocols import ConfigError
 from ._logging import LogFormat, LogSettings
 from ._serve import ServeOptions
@@ -64,8 +65,8 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 IGNORED: dict[str, str] = {
-    # Backends, repository agents and caches are Python here: no shared libraries to find.
-    "--backend-directory": "str",
+    # Backends, repository agents and caches are Python here: no shared libraries to find
+    # (--backend-directory is honoured: python-based backends are found there).
     "--backend-config": "str",
     "--repoagent-directory": "str",
     "--cache-directory": "str",
@@ -211,10 +212,17 @@ def add_triton_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--model-config-name",
-        default=_DEFAULTS["model_config_name"].default,
+        default="",
         metavar="NAME",
         help="read <model>/configs/NAME.pbtxt instead of config.pbtxt where it exists "
         "(default: config.pbtxt)",
+    )
+    group.add_argument(
+        "--backend-directory",
+        default=TRITON_BACKEND_DIRECTORY,
+        metavar="DIR",
+        help="where python-based backends are: a config's backend NAME that is not "
+        "python, jax or onnxruntime runs DIR/NAME/model.py (default: %(default)s)",
     )
     _add_log_flags(group)
     for flag in GRPC_CHANNEL_ARGS:
@@ -289,8 +297,7 @@ class TritonSettings:
 
     exit_on_error: bool
     server_id: str
-    auto_complete_config: bool
-    model_config_name: str
+    reading: ConfigReading
     grpc_channel_args: tuple[tuple[str, int], ...]
     logs: LogSettings
 
@@ -331,8 +338,11 @@ def triton_settings(args: argparse.Namespace, console: Console) -> TritonSetting
     return TritonSettings(
         exit_on_error=args.exit_on_error,
         server_id=args.server_id,
-        auto_complete_config=auto_complete,
-        model_config_name=args.model_config_name,
+        reading=ConfigReading(
+            auto_complete=auto_complete,
+            config_name=args.model_config_name,
+            backend_directory=args.backend_directory,
+        ),
         grpc_channel_args=tuple(
             (option, int(value))
             for flag, option in GRPC_CHANNEL_ARGS.items()

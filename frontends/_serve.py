@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer, open_server
-from ..actors import ConfigReading
+from ..actors import AUTO_COMPLETE, ConfigReading
 from ..protocols import ConfigError
 from ..protocols._errors import ungrouped
 from ..protocols._model_load import DEFAULT_MAX_UPLOAD_SIZE, UploadLimits
@@ -88,10 +88,9 @@ class ServeOptions:
     exit_on_error: bool = True
     """A model that fails to load at start stops the start (False: it is left out, listed
     UNAVAILABLE with the reason, and the others are served)."""
-    auto_complete_config: bool = True
-    """False: Triton's ``--disable-auto-complete-config`` (see `open_server`)."""
-    model_config_name: str = ""
-    """Triton's ``--model-config-name`` (see `open_server`)."""
+    reading: ConfigReading = AUTO_COMPLETE
+    """How configs and code are found (``--disable-auto-complete-config``,
+    ``--model-config-name``, ``--backend-directory``)."""
     strict_readiness: bool = True
     exit_timeout: float = DEFAULT_EXIT_TIMEOUT
     poll_interval: float = 15.0
@@ -181,8 +180,9 @@ async def serve(
             metrics_port=options.metrics_port,
             metrics_host=options.metrics_address,
             tracing=options.tracing,
-            auto_complete_config=options.auto_complete_config,
-            model_config_name=options.model_config_name,
+            auto_complete_config=options.reading.auto_complete,
+            model_config_name=options.reading.config_name,
+            backend_directory=options.reading.backend_directory,
         ) as server,
     ):
         control = await _open_model_control(server, options, mode, uploads)
@@ -297,15 +297,12 @@ async def _open_model_control(
 ) -> ModelControl:
     """The model control of ``server``, with explicit mode's ``--load-model`` models
     loaded, and everything loaded so far frozen out of the garbage collector's sight."""
-    reading = ConfigReading(
-        auto_complete=options.auto_complete_config, config_name=options.model_config_name
-    )
     control = ModelControl(
         server,
         mode=mode,
         strict_readiness=options.strict_readiness,
         uploads=uploads,
-        config_reading=reading,
+        config_reading=options.reading,
         api_refusal=worker_refusal("model control", options) if options.worker_of else None,
     )
     server._registry.use_model_control(control)  # the models' own load_model calls

@@ -21,6 +21,7 @@ from ._cache_key import shared_outputs as shared_outputs
 from ._config import ENSEMBLE_PLATFORM as ENSEMBLE_PLATFORM
 from ._config import ONNX_BACKEND as ONNX_BACKEND
 from ._config import ONNX_PLATFORM as ONNX_PLATFORM
+from ._config import OWN_BACKENDS as OWN_BACKENDS
 from ._config import DynamicBatching as DynamicBatching
 from ._config import EnsembleScheduling as EnsembleScheduling
 from ._config import EnsembleStep as EnsembleStep

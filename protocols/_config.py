@@ -25,6 +25,9 @@ ONNX_PLATFORM = "onnxruntime_onnx"
 """Triton's platform name of ONNX models (run through ONNX Runtime)."""
 ONNX_BACKEND = "onnxruntime"
 """Triton's backend name of ONNX models; either name alone makes a model an ONNX model."""
+OWN_BACKENDS = ("", "python", "jax", ONNX_BACKEND)
+"""The ``backend`` values orchestrion runs itself; any other names a python-based backend
+(``<backend directory>/<name>/model.py``, as Triton's ``--backend-directory`` finds one)."""
 
 
 class InstanceKind(enum.Enum):

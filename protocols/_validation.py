@@ -7,6 +7,7 @@ with the whole list.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 from ._config import ONNX_BACKEND, ONNX_PLATFORM, InstanceKind, ModelConfig, TensorConfig
@@ -102,9 +103,13 @@ def _scheduling_errors(config: ModelConfig) -> list[str]:
     return errors
 
 
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
 def _platform_errors(config: ModelConfig) -> list[str]:
     """``platform`` and ``backend``: an ensemble, an ONNX model (either Triton name, or both
-    together), or a Python/JAX model."""
+    together), or a Python/JAX model (``backend`` names one of orchestrion's own or a
+    python-based backend, which the repository finds or refuses; see `OWN_BACKENDS`)."""
     name = config.name
     if config.is_onnx:
         if config.platform not in ("", ONNX_PLATFORM) or config.backend not in ("", ONNX_BACKEND):
@@ -121,11 +126,11 @@ def _platform_errors(config: ModelConfig) -> list[str]:
             f"(use 'ensemble', '{ONNX_PLATFORM}', or backend 'python'/'jax' or nothing for "
             "Python models)"
         )
-    if config.backend not in ("", "python", "jax"):
+    if not _BACKEND_NAME.fullmatch(config.backend) and config.backend:
         errors.append(
-            f"model '{name}': backend '{config.backend}' is not supported "
-            f"(orchestrion runs Python/JAX models: backend 'python', 'jax' or empty; ONNX "
-            f"models: '{ONNX_BACKEND}')"
+            f"model '{name}': backend '{config.backend}' is not a backend name (a "
+            "python-based backend is a folder of the backend directory: letters, digits, "
+            "'_', '-' and '.', starting with a letter, digit or '_')"
         )
     return errors
 

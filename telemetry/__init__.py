@@ -13,4 +13,5 @@ from ._tracing import RequestTracing as RequestTracing
 from ._tracing import extract_traceparent as extract_traceparent
 from ._tracing import make_exporter as make_exporter
 from ._tracing import make_tracer_provider as make_tracer_provider
+from ._tracing import open_request_tracing as open_request_tracing
 from ._tracing import request_tracing as request_tracing

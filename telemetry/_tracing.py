@@ -1,7 +1,7 @@
 """OpenTelemetry traces of the requests a server runs.
 
 How this works: the runtime uses only the OpenTelemetry *API*, through `RequestTracing`; the
-SDK (provider, sampler, exporter) is configured at the edge, by `open_tracer_provider` from
+SDK (provider, sampler, exporter) is configured at the edge, by `open_request_tracing` from
 Triton's ``--trace-config`` flags and the ``OTEL_*`` variables, or by the embedding
 application, which may pass its own ``TracerProvider``.
 
@@ -17,12 +17,14 @@ non-recording span per model it touches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import trio
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -32,7 +34,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ..protocols import ConfigError, InferRequest, TraceConfig, failure_reason
+from ..protocols import ConfigError, InferRequest, TraceConfig, failure_reason, parse_trace_config
 
 INSTRUMENTATION = "orchestrion"
 EXPORT_TIMEOUT_S = 2.0
@@ -206,3 +208,28 @@ def request_tracing(provider: trace.TracerProvider, root_rate: int | None = None
     """The runtime's tracing, on ``provider`` (the server's own, made by
     `make_tracer_provider` with ``root_rate`` = its config's rate, or the application's)."""
     return RequestTracing(provider.get_tracer(INSTRUMENTATION), root_rate)
+
+
+async def open_request_tracing(
+    stack: contextlib.AsyncExitStack,
+    tracing: str | Sequence[str] | trace.TracerProvider | None,
+) -> RequestTracing | None:
+    """The runtime's tracing from a server's ``tracing`` option (Triton's ``--trace-config``
+    values, or the application's own provider; None: no spans); a provider made here is
+    shut down (flushed, off the event loop) when ``stack`` closes."""
+    if tracing is None:
+        return None
+    if isinstance(tracing, trace.TracerProvider):
+        return request_tracing(tracing)  # the application's: it shuts it down
+    config = parse_trace_config(tracing)
+    if config is None:
+        return None
+    provider = make_tracer_provider(config)
+
+    async def shutdown() -> None:
+        # Flushing exports over the network: off the event loop, and even when cancelled.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(provider.shutdown)
+
+    stack.push_async_callback(shutdown)
+    return request_tracing(provider, root_rate=config.rate)

@@ -151,7 +151,7 @@ def test_a_triton_launch_line_starts_and_warns_once(launched: Served) -> None:
     warnings = [line for line in launched.output if line.startswith("warning: ignoring")]
     assert warnings == [
         "warning: ignoring tritonserver flags that do not apply to orchestrion: "
-        "--backend-directory, --backend-config, --model-load-thread-count"
+        "--backend-config, --model-load-thread-count"
     ]
     assert sum("--strict-model-config is deprecated" in line for line in launched.output) == 1
 
@@ -408,7 +408,7 @@ def test_auto_complete_flags(flags: list[str], auto_complete: bool, warnings: li
     """As Triton's parser: --disable-auto-complete-config wins over a false
     --strict-model-config, with a warning; --strict-model-config warns it is deprecated."""
     options, _, out = _settings(*flags)
-    assert options.auto_complete_config is auto_complete
+    assert options.reading.auto_complete is auto_complete
     assert len(out.splitlines()) == len(warnings)
     for text in warnings:
         assert text in out

@@ -10,7 +10,7 @@ import numpy as np
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import orchestrion
-from orchestrion import _server as server_module
+from orchestrion.telemetry import _tracing as tracing_module
 from orchestrion.telemetry import make_tracer_provider
 from orchestrion.testing import plus_one
 
@@ -21,7 +21,7 @@ async def test_a_malformed_traceparent_does_not_bypass_the_rate(monkeypatch: Any
     """With rate=1e9 a request whose traceparent is garbage is a root: (almost) never sampled."""
     exporter = InMemorySpanExporter()
     monkeypatch.setattr(
-        server_module, "make_tracer_provider", lambda c: make_tracer_provider(c, exporter)
+        tracing_module, "make_tracer_provider", lambda c: make_tracer_provider(c, exporter)
     )
     flags = ["mode=opentelemetry", "rate=1000000000"]
     async with orchestrion.open_server(models=[plus_one("a")], tracing=flags) as server:
