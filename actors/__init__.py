@@ -3,6 +3,7 @@
 from ._definition import Model as Model
 from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
+from ._load_lock import LoadLock as LoadLock
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
 from ._repository import TRITON_BACKEND_DIRECTORY as TRITON_BACKEND_DIRECTORY

@@ -42,6 +42,7 @@ from ..protocols._errors import leaf_errors
 from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner
+from ._load_lock import LoadLock
 from ._loaded_models import LoadedModels, Runner
 from ._repository import AUTO_COMPLETE, ConfigReading
 from ._repository_reader import read_repository
@@ -88,7 +89,7 @@ class ModelRegistry:
     """Spans of every request; None when the server does not trace."""
     _models: LoadedModels = attrs.field(init=False, factory=LoadedModels)
     _router: RequestRouter = attrs.field(init=False)
-    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _lock: LoadLock = attrs.field(factory=LoadLock)
     statistics_sources: list[Callable[[], None]] = attrs.field(factory=list, init=False)
     """Called before statistics are read, to bring in counts kept elsewhere (the hits of
     the native front end's cache tier)."""
@@ -251,7 +252,7 @@ class ModelRegistry:
             ConfigError: the set would be invalid (every problem listed).
             ModelLoadError: a model's code failed to load or compile.
         """
-        async with self._lock:
+        async with self._lock.hold():
             if self._models.closing:
                 raise ServerClosedError("the server is shutting down")
             await self._load_locked(models, replace=replace)
@@ -418,7 +419,7 @@ class ModelRegistry:
             ModelNotFoundError: ``name`` is not loaded.
             ConfigError: loaded ensembles use ``name`` and ``unload_dependents`` is False.
         """
-        async with self._lock:
+        async with self._lock.hold():
             self._models.resolve(name)
             users = self.dependents(name)
             if users and not unload_dependents:
@@ -436,7 +437,7 @@ class ModelRegistry:
 
     async def close(self) -> None:
         """Unload everything: ensembles first, outermost first, then the models they use."""
-        async with self._lock:
+        async with self._lock.hold():
             self._models.closing = True
             for draining in list(self._draining):  # unloaded earlier, still finishing runs
                 await draining.close()

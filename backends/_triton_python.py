@@ -62,7 +62,7 @@ from ._triton_config import initialize_args
 from ._triton_decoupled_batches import DecoupledBatches
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
-from ._triton_requests import InferenceRequest, InferenceResponseSender
+from ._triton_requests import InferenceRequest, InferenceResponseSender, ModelSetup, setting_up
 from ._triton_rescheduling import not_reschedulable, run_iterations
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ class TritonPythonBackend(Backend):
                 if initialize is not None:
                     version = self.model.version
                     args = initialize_args(config, version, folder, kind, device_id, name)
-                    self._in_scope(initialize, args)
+                    with setting_up(ModelSetup(self.model.name, self._calls)):
+                        self._in_scope(initialize, args)
                 made.append(LoadedInstance(index=index, device=device, params=instance))
         except Exception as exc:
             self._instances = made

@@ -11,14 +11,18 @@ thread, `async_exec` awaits it on the model's asyncio loop.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+import attrs
 import trio
 
 from ..protocols import Cancellation, InferRequest, OrchestrionError
+from ._base import ServerCalls
 from ._triton_api import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
@@ -30,7 +34,9 @@ from ._triton_api import (
     TritonModelException,
     _parameters_json,
 )
-from ._triton_calls import current_execution, error_response
+from ._triton_calls import Execution, current_execution, error_response, in_trio_worker_thread
+
+T = TypeVar("T")
 
 Deliver = Callable[[InferenceResponse | None, bool], None]
 """Hands one response (None: none, only the final flag) and whether it is the last."""
@@ -285,22 +291,76 @@ def _never() -> bool:
     return False
 
 
+@attrs.frozen
+class ModelSetup:
+    """A model's ``initialize`` running (in a worker thread, while the model loads): it may
+    use Triton's model loading API (`load_model`, `unload_model`, `is_model_ready`), as
+    Triton's QA model ``bls_model_loading`` does, though not BLS inference."""
+
+    model_name: str
+    calls: ServerCalls | None
+
+    def to_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in trio and wait for it (from the load's worker thread).
+
+        Raises:
+            TritonModelException: called from another thread (one the model started).
+        """
+        if not in_trio_worker_thread():
+            raise TritonModelException(
+                f"model '{self.model_name}': the model loading API is available to "
+                "initialize in its own thread only"
+            )
+        return trio.from_thread.run(fn, *args)
+
+    def _server(self, call: str) -> ServerCalls:
+        if self.calls is None:
+            raise TritonModelException(
+                f"{call}: model '{self.model_name}' runs without a server to call"
+            )
+        return self.calls
+
+
+_SETUP: contextvars.ContextVar[ModelSetup] = contextvars.ContextVar("orchestrion_model_setup")
+
+
+@contextlib.contextmanager
+def setting_up(setup: ModelSetup) -> Iterator[None]:
+    """While a model's ``initialize`` runs: its model control calls go through ``setup``."""
+    token = _SETUP.set(setup)
+    try:
+        yield
+    finally:
+        _SETUP.reset(token)
+
+
+def _control(call: str) -> Execution | ModelSetup:
+    """What a model's call of the model loading API runs through: the execution whose
+    code runs, or the ``initialize`` running.
+
+    Raises:
+        TritonModelException: neither (``call`` named).
+    """
+    try:
+        return _SETUP.get()
+    except LookupError:
+        return current_execution(call)
+
+
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
     """Whether ``model_name`` (at ``model_version``; "": any) is loaded and serving.
 
     Raises:
-        TritonModelException: called outside a model's ``execute``.
+        TritonModelException: called outside a model's ``initialize`` and ``execute``.
     """
-    execution = current_execution("is_model_ready")
-    calls = execution._server("is_model_ready")
+    calls = _control("is_model_ready")._server("is_model_ready")
     return calls.is_ready(str(model_name), int(model_version) if model_version else -1)
 
 
 def _controlled(call: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
     """Run a model control call of the server from the model's code, and wait for it."""
-    execution = current_execution(call)
     try:
-        execution.to_trio(fn, *args)
+        _control(call).to_trio(fn, *args)
     except OrchestrionError as exc:  # refused, or the load failed: the model's to handle
         raise TritonModelException(f"{call}: {exc}") from exc
 
@@ -314,7 +374,7 @@ def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | N
     Raises:
         TritonModelException: refused, or the load failed (the reason given).
     """
-    calls = current_execution("load_model")._server("load_model")
+    calls = _control("load_model")._server("load_model")
     _controlled("load_model", calls.load_model, str(model_name), config, files)
 
 
@@ -324,5 +384,5 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     Raises:
         TritonModelException: refused, or the unload failed (the reason given).
     """
-    calls = current_execution("unload_model")._server("unload_model")
+    calls = _control("unload_model")._server("unload_model")
     _controlled("unload_model", calls.unload_model, str(model_name), bool(unload_dependents))

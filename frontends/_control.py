@@ -34,7 +34,14 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..actors import AUTO_COMPLETE, ConfigReading, find_model_folder, is_model_folder, load_code
+from ..actors import (
+    AUTO_COMPLETE,
+    ConfigReading,
+    LoadLock,
+    find_model_folder,
+    is_model_folder,
+    load_code,
+)
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -142,7 +149,7 @@ class ModelControl:
     _accepting: bool = attrs.field(default=True, init=False)
     _overrides: dict[str, _Override] = attrs.field(factory=dict, init=False)
     """Loaded models that differ from their repository folder, by name."""
-    _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+    _lock: LoadLock = attrs.field(factory=LoadLock, init=False)
     """One load or unload at a time, so that the folders held always match what is loaded."""
 
     def __attrs_post_init__(self) -> None:
@@ -208,7 +215,7 @@ class ModelControl:
         self._check_allowed("load")
         _check_name(name)
         request = override or LoadOverride()
-        async with self._lock:
+        async with self._lock.hold():
             if request.empty and await self._override_kept(name):
                 _log.info("model '%s' unchanged since its config override: kept", name)
                 return
@@ -274,18 +281,23 @@ class ModelControl:
 
     async def unload(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
         """Unload ``name`` (``unload_dependents``: and the ensembles that use it); the
-        folders the server holds for their uploaded files are removed.
+        folders the server holds for their uploaded files are removed. A model that is not
+        loaded is left as it is, and that is a success, as Triton's API defines it.
 
         Raises:
             ModelControlError: the mode is not ``explicit``.
-            ModelNotFoundError: not loaded.
             ConfigError: ensembles use it and ``unload_dependents`` is not set.
         """
         self._check_allowed("unload")
         dependents = (parameters or {}).get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise InvalidRequestError("unload parameter 'unload_dependents' must be a boolean")
-        async with self._lock:
+        async with self._lock.hold():
+            if name not in self.server.model_names():
+                self._failed.pop(name, None)  # a model that failed to load: no longer wanted
+                self._expected.discard(name)
+                _log.info("model '%s' is not loaded: nothing to unload", name)
+                return
             before = set(self.server.model_names())
             await self.server.unload_model(name, unload_dependents=dependents)
             gone = before - set(self.server.model_names())

@@ -132,3 +132,64 @@ async def test_in_process_they_say_where_loading_is_done(tmp_path: Path) -> None
     seen = json.loads(response.outputs["Y"][0])
     assert seen[0] is True
     assert seen[1].startswith("load_model: load_model from a model's code needs a served")
+
+
+SETUP = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = []
+
+        def ready(name):
+            self.seen.append(pb_utils.is_model_ready(name))
+
+        ready("target")
+        pb_utils.load_model("target")
+        ready("target")
+        pb_utils.unload_model("target")
+        pb_utils.unload_model("target")     # not loaded: nothing to do, as in Triton
+        ready("target")
+        pb_utils.load_model("target")       # left loaded for the client to call
+        try:
+            pb_utils.InferenceRequest(
+                model_name="target", inputs=[pb_utils.Tensor("X", np.array([0], np.int32))],
+                requested_output_names=["Y"]).exec()
+        except pb_utils.TritonModelException as exc:
+            self.seen.append(str(exc))
+
+    def execute(self, requests):
+        text = pb_utils.Tensor("Y", np.array([json.dumps(self.seen).encode()], np.object_))
+        return [pb_utils.InferenceResponse([text]) for _ in requests]
+"""
+
+
+def test_initialize_loads_and_unloads_models_while_it_loads(tmp_path: Path) -> None:
+    """Triton's bls_model_loading: a model whose initialize uses the model loading API,
+    itself loaded by a load request: its nested loads and unloads run inside that load
+    (no deadlock on the load lock), unloading a model that is not loaded succeeds, the
+    model it loaded serves, and BLS inference from initialize is still refused."""
+    root = _repository(tmp_path)
+    (root / "setup" / "1").mkdir(parents=True)
+    (root / "setup" / "1" / "model.py").write_text(SETUP)
+    config = CONFIG.format(name="setup").replace(
+        '"Y" data_type: TYPE_INT32', '"Y" data_type: TYPE_STRING'
+    )
+    (root / "setup" / "config.pbtxt").write_text(config)
+    served = start_server("--model-control-mode=explicit", repository=root)
+    try:
+        with httpclient.InferenceServerClient(served.http) as client:
+            client.load_model("setup")
+            x = httpclient.InferInput("X", [1], "INT32")
+            x.set_data_from_numpy(np.array([0], np.int32))
+            seen = json.loads(client.infer("setup", [x]).as_numpy("Y")[0])
+            assert client.infer("target", [x]).as_numpy("Y").tolist() == [7]
+            client.unload_model("never_loaded")  # Triton: no effect, and a success
+    finally:
+        assert served.stop() == 0, served.text()
+    assert seen[:3] == [False, True, False]
+    assert seen[3].startswith("BLS is only supported during the 'execute' function.")
