@@ -153,10 +153,11 @@ class ModelRunner:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the instances until `close` is called and the queue is drained."""
+        from ._load_lock import passing_holds
         from ._watchdog import loop_holder
 
         self.pool.holder = loop_holder()  # the loop this runner's inline work holds
-        await trio.to_thread.run_sync(self.pool.load)
+        await trio.to_thread.run_sync(passing_holds(self.pool.load))  # see _load_lock
         self.streams.size(len(self.instances))
         try:
             # The backend's own tasks (`Backend.run`) outlive the instances' last execution.
@@ -193,11 +194,8 @@ class ModelRunner:
             await sequences.sweep()
 
     def close(self) -> None:
-        """Stop accepting work; instances finish what is queued, then end.
-
-        Streams still open end with `ServerClosedError`: a stream lasts as long as its
-        caller keeps reading, which may be never.
-        """
+        """Stop accepting work; instances finish what is queued, then end. Streams still
+        open end with `ServerClosedError` (one lasts while its caller reads: maybe never)."""
         self.closing = True
         self._send.close()  # open streams end with ServerClosedError at their next step
         if self.sequence_batcher is not None:
