@@ -22,11 +22,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import sniffio
 import trio
 from opentelemetry import trace
 
-from ._server import AsyncServer
+from ._server import AsyncServer, refuse_other_loops
 from ._server import open_server as open_trio_server
 from .actors import TRITON_BACKEND_DIRECTORY, Model
 from .backends._asyncio_bridge import TrioBridge, call_sync
@@ -211,15 +210,11 @@ async def open_server(
         the errors of `orchestrion.open_server` (a bad repository or config, a model that
         fails to load, an unreachable cache), and RuntimeError outside an asyncio loop.
     """
-    try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        library = "no event loop"
-    if library != "asyncio":
-        raise RuntimeError(
-            f"orchestrion.aio.open_server runs in asyncio code, but was called from {library}; "
-            "in trio use orchestrion.open_server, in plain code orchestrion.Server"
-        )
+    refuse_other_loops(
+        "asyncio",
+        "orchestrion.aio.open_server runs in asyncio code, but was called from {library}; "
+        "in trio use orchestrion.open_server, in plain code orchestrion.Server",
+    )
     opener = functools.partial(
         open_trio_server,
         model_repository,

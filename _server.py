@@ -423,7 +423,11 @@ async def open_server(
         CacheUnavailableError: the cache's backend (Redis) cannot be reached or refuses
             the credentials.
     """
-    _refuse_other_loops()
+    refuse_other_loops(
+        "trio",
+        "open_server runs on trio, but was called from {library}; from asyncio (or plain "
+        "code) use the blocking orchestrion.Server, see docs/guide.md",
+    )
     settings = parse_cache_config(cache_config)
     reading = ConfigReading(
         auto_complete=auto_complete_config,
@@ -449,8 +453,9 @@ async def open_server(
         yield server
 
 
-def _refuse_other_loops() -> None:
-    """Refuse `open_server` outside trio, saying what to use there.
+def refuse_other_loops(wanted: str, advice: str) -> None:
+    """Refuse a call made outside the ``wanted`` event loop (``"trio"``, ``"asyncio"``):
+    ``advice`` says what to use there (``{library}`` in it: the caller's loop).
 
     Raises:
         RuntimeError: the caller runs on another event loop, or on none.
@@ -459,11 +464,8 @@ def _refuse_other_loops() -> None:
         library = sniffio.current_async_library()
     except sniffio.AsyncLibraryNotFoundError:
         library = "no event loop"
-    if library != "trio":
-        raise RuntimeError(
-            f"open_server runs on trio, but was called from {library}; from asyncio (or "
-            "plain code) use the blocking orchestrion.Server, see docs/guide.md"
-        )
+    if library != wanted:
+        raise RuntimeError(advice.format(library=library))
 
 
 @contextlib.asynccontextmanager
