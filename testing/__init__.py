@@ -27,6 +27,7 @@ from ._builders import step as step
 from ._builders import tensor as tensor
 from ._builders import triton_model as triton_model
 from ._builders import with_fusion as with_fusion
+from ._cache_contract import check_response_cache as check_response_cache
 from ._front_ends import FRONTEND_VARIABLE as FRONTEND_VARIABLE
 from ._front_ends import front_ends as front_ends
 from ._front_ends import frontend_under_test as frontend_under_test

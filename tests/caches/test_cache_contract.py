@@ -1,32 +1,24 @@
-"""The contract every `ResponseCache` keeps, run on all three implementations found through
-the ``orchestrion.caches`` entry points: ``local``, ``redis`` and the third-party example in
-``examples/sqlite_cache`` (registered here through a dist-info folder, as pip would)."""
+"""The contract every `ResponseCache` keeps (`orchestrion.testing.check_response_cache`, the
+check a plugin's author runs), run on all three implementations found through the
+``orchestrion.caches`` entry points: ``local``, ``redis`` and the third-party example in
+``examples/sqlite_cache`` (registered here through a dist-info folder, as pip would); and the
+check itself, on caches that each break one rule."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 import trio
 
 import orchestrion
-from orchestrion.caches import (
-    CacheUsage,
-    ResponseCache,
-    available_caches,
-    open_cache,
-    open_cache_actor,
-)
-from orchestrion.protocols import (
-    CacheEntry,
-    InferResponse,
-    cache_key,
-    frozen_outputs,
-)
-from orchestrion.testing import RedisServer, cached, model, tensor
+from orchestrion.caches import ResponseCache, available_caches, open_cache
+from orchestrion.protocols import CacheEntry, CacheKey, frozen_outputs
+from orchestrion.testing import RedisServer, cached, check_response_cache, model, tensor
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "sqlite_cache"
 KINDS = ["local", "redis", "sqlite"]
@@ -71,121 +63,60 @@ async def opened(flags: list[str]) -> ResponseCache:
     return await open_cache(settings)
 
 
-def make_entry(tag: float, **outputs: Any) -> CacheEntry:
-    key = cache_key("m", 1, {"X": np.full(4, tag, np.float32)}, revision="contract")
-    return CacheEntry(
-        key=key, outputs=frozen_outputs(outputs or {"Y": np.full(8, tag, np.float32)})
-    )
-
-
-def same(a: CacheEntry | None, b: CacheEntry) -> None:
-    assert a is not None
-    assert a.matches(b.key)
-    assert a.key == b.key
-    assert list(a.outputs) == list(b.outputs)
-    for name, array in b.outputs.items():
-        got = a.outputs[name]
-        assert (got.dtype, got.shape) == (array.dtype, array.shape)
-        if array.dtype.kind == "O":
-            assert got.tolist() == array.tolist()
-        else:
-            np.testing.assert_array_equal(got, array)
-
-
 def test_every_cache_is_installed_as_an_entry_point(sqlite_plugin: None) -> None:
     """local and redis come with orchestrion; the example registers like any plugin."""
     assert {"local", "redis", "sqlite"} <= set(available_caches())
 
 
-async def test_lookup_of_an_empty_cache_misses(cache_config: list[str]) -> None:
-    """Nothing stored: every key of a batch is None."""
-    cache = await opened(cache_config)
-    try:
-        found = await cache.lookup([make_entry(1).key, make_entry(2).key])
-        assert list(found) == [None, None]
-        assert isinstance(cache.usage(), CacheUsage)
-    finally:
-        await cache.aclose()
+async def test_every_cache_keeps_the_contract(cache_config: list[str]) -> None:
+    """orchestrion.testing.check_response_cache, the check a plugin author runs, passes on
+    each implementation (run twice: a cache that keeps its contents between openings, as
+    Redis and SQLite do, still passes)."""
+    for _ in range(2):
+        await check_response_cache(lambda: opened(cache_config), name=cache_config[0])
 
 
-async def test_insert_then_lookup_round_trips(cache_config: list[str]) -> None:
-    """What is inserted comes back equal: the key (revision included) and tensors of every
-    kind."""
-    entries = [
-        make_entry(1),
-        make_entry(
-            2,
-            S=np.array([[b"", b"a"], [b"\x00\xff", b"long" * 50]], dtype=object),
-            B=np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3),
-            E=np.zeros((0, 3), np.int64),
-            Z=np.array(True),
-        ),
-    ]
-    cache = await opened(cache_config)
-    try:
-        await cache.insert(entries)
-        found = await cache.lookup([e.key for e in entries])
-        for got, expected in zip(found, entries, strict=True):
-            same(got, expected)
-    finally:
-        await cache.aclose()
+class _Forgetful(ResponseCache):
+    """A cache that breaks one rule each, chosen by ``flaw``."""
+
+    immediate = True
+
+    def __init__(self, flaw: str) -> None:
+        self.flaw = flaw
+        self.stored: dict[bytes, CacheEntry] = {}
+
+    def lookup_nowait(self, key: CacheKey) -> CacheEntry | None:
+        found = self.stored.get(key.digest)
+        if found is not None and self.flaw == "bf16" and "B" in found.outputs:
+            outputs = dict(found.outputs)
+            outputs["B"] = outputs["B"].astype(np.float32)
+            return CacheEntry(key=found.key, outputs=frozen_outputs(outputs))
+        return found
+
+    def insert_nowait(self, entry: CacheEntry) -> None:
+        if self.flaw == "keeps first" and entry.key.digest in self.stored:
+            return
+        self.stored[entry.key.digest] = entry
+
+    async def lookup(self, keys: Sequence[CacheKey]) -> Sequence[CacheEntry | None]:
+        found = [self.lookup_nowait(key) for key in keys]
+        return found[::-1] if self.flaw == "reorders" else found
+
+    async def aclose(self) -> None:
+        pass
 
 
-async def test_batches_keep_their_order(cache_config: list[str]) -> None:
-    """A batch of lookups answers each key in place, hits and misses mixed."""
-    stored = [make_entry(float(i)) for i in range(0, 10, 2)]
-    asked = [make_entry(float(i)) for i in range(10)]
-    cache = await opened(cache_config)
-    try:
-        await cache.insert(stored)
-        found = await cache.lookup([e.key for e in asked])
-        for i, got in enumerate(found):
-            if i % 2:
-                assert got is None
-            else:
-                same(got, asked[i])
-    finally:
-        await cache.aclose()
-
-
-async def test_insert_replaces(cache_config: list[str]) -> None:
-    """Inserting under a stored key replaces the entry (and counts it once)."""
-    first = make_entry(1)
-    second = CacheEntry(key=first.key, outputs=frozen_outputs({"Y": np.zeros(2, np.int8)}))
-    cache = await opened(cache_config)
-    try:
-        await cache.insert([first])
-        await cache.insert([second])
-        (found,) = await cache.lookup([first.key])
-        same(found, second)
-        entries = cache.usage().entries
-        assert entries is None or entries == 1
-    finally:
-        await cache.aclose()
-
-
-async def test_the_actor_drives_every_cache(cache_config: list[str]) -> None:
-    """Through the cache actor: a miss stores, the next lookup hits, statistics add up."""
-    cache = await opened(cache_config)
-    entry = make_entry(7)
-    response = InferResponse(
-        model_name="m", model_version=1, outputs=dict(entry.outputs), parameters={"tag": 7}
-    )
-    async with open_cache_actor(cache, cache_config[0].split(",")[0]) as actor:
-        flight = await actor.begin(entry.key)
-        assert flight.entry is None
-        flight.store(response)
-        flight.release()
-        for _ in range(100):  # inserts of batched caches are written in the background
-            if actor.statistics().insertions:
-                break
-            await trio.sleep(0.01)
-        hit = await actor.begin(entry.key)
-        hit.release()
-        same(hit.entry, entry)
-        stats = actor.statistics()
-    assert (stats.lookups, stats.hits, stats.misses, stats.insertions) == (2, 1, 1, 1)
-    assert stats.available
+@pytest.mark.parametrize(
+    ("flaw", "message"),
+    [
+        ("bf16", "output B came back as float32[2, 3], stored bfloat16[2, 3]"),
+        ("reorders", "insert, then lookup: the entry of another key came back"),
+        ("keeps first", "an insert under a stored key: output Y came back as float32[8]"),
+    ],
+)
+async def test_the_check_names_the_rule_a_cache_breaks(flaw: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        await check_response_cache(lambda: _Forgetful(flaw), name="forgetful")
 
 
 async def test_a_server_uses_every_cache(cache_config: list[str]) -> None:
