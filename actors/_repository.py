@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from ..backends import auto_complete, complete_onnx_config, import_code_file
+from ..backends import auto_complete, complete_onnx_config, import_code_file, stub_name_problem
 from ..protocols import (
     ENSEMBLE_PLATFORM,
     ONNX_PLATFORM,
@@ -334,6 +334,10 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     if config.is_onnx:
         return _onnx_model(entry, version, config_source, fingerprint, labels, initial_states)
     directory = entry.path / str(version)
+    if config.backend not in ("", "jax"):  # a python backend's: refused before its code runs
+        problem = stub_name_problem(config.name, config_source)
+        if problem:
+            raise ConfigError(problem)
     module = import_code_file(path, f"{entry.name}_v{version}")
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):

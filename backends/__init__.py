@@ -21,3 +21,4 @@ from ._function import import_code_file as import_code_file
 from ._function import response_on_host as response_on_host
 from ._onnx import complete_onnx_config as complete_onnx_config
 from ._triton_config import auto_complete as auto_complete
+from ._triton_config import stub_name_problem as stub_name_problem

@@ -233,3 +233,18 @@ def initialize_args(
         "model_version": str(version),
         "model_name": config.name,
     }
+
+
+STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"
+"""Characters Triton's python backend refuses in a model's name (its stub's name): its
+words, "Invalid stub name: contains invalid characters", are what its QA looks for."""
+
+
+def stub_name_problem(name: str, in_config: str) -> str:
+    """Why ``name`` cannot be a python-backend model's, in Triton's words ("": it can)."""
+    if not any(c in STUB_NAME_INVALID for c in name):
+        return ""
+    return (
+        f"{in_config}: Invalid stub name: contains invalid characters (a python-backend "
+        f"model's name may hold none of {STUB_NAME_INVALID}, as in Triton)"
+    )

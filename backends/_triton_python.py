@@ -58,7 +58,7 @@ from ._triton_calls import (
     serving,
     waits_on_server,
 )
-from ._triton_config import initialize_args
+from ._triton_config import initialize_args, stub_name_problem
 from ._triton_decoupled_batches import DecoupledBatches
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
@@ -451,11 +451,6 @@ class TritonPythonBackend(Backend):
         self._nursery.start_soon(fn)
 
 
-STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"
-"""Characters Triton's python backend refuses in a model's name (its stub's name): its
-words, "Invalid stub name: contains invalid characters", are what its QA looks for."""
-
-
 def model_folder(model: Model) -> Path | None:
     """The version folder of ``model`` (given, or the folder of its ``model.py``; None: a
     class made in Python)."""
@@ -478,9 +473,5 @@ def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
         )
     if model.config.decoupled and model.config.stateful:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
-    if any(c in STUB_NAME_INVALID for c in model.config.name):
-        errors.append(
-            f"{in_config}: Invalid stub name: contains invalid characters (a python-backend "
-            f"model's name may hold none of {STUB_NAME_INVALID}, as in Triton)"
-        )
-    return errors
+    problem = stub_name_problem(model.config.name, in_config)
+    return [*errors, problem] if problem else errors

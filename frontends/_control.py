@@ -410,8 +410,14 @@ NAME_MAX = 255
 
 def _check_name(name: str) -> None:
     """A model name is one folder of the repository: never a path out of it."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise InvalidRequestError(f"invalid model name {name!r:.80}: a repository folder name")
+    if "\\" in name:  # a path on some systems; Triton's python backend refuses it too
+        raise InvalidRequestError(
+            f"invalid model name {name!r:.80}: a repository folder name, without '\\' "
+            "(in Triton's python backend's words: Invalid stub name: contains invalid "
+            "characters)"
+        )
     if Path(name).name != name:
         raise InvalidRequestError(f"invalid model name {name!r:.80}")
     if len(name.encode(errors="surrogatepass")) > NAME_MAX:

@@ -532,3 +532,19 @@ def test_a_python_model_named_with_characters_triton_refuses_is_refused_in_its_w
     assert _infer(client, "model-with_hyphens").tolist() == [[2 * i for i in range(16)]]
     client.unload_model("model-with_hyphens")
     client.close()
+
+
+def test_the_name_is_refused_before_the_models_code_is_read(served: Served, scratch: Path) -> None:
+    """Triton refuses the stub's name before its code runs: code that would not even import
+    (Triton's QA writes the name into the code, so a quote breaks it) is refused for its
+    name; a name with a backslash is refused as a folder name, in Triton's words too."""
+    client = httpclient.InferenceServerClient(served.http)
+    for name in ("model'test'", "model\\test"):
+        broken = f"print('Hello world from model {name}')\n"
+        error = _refused(
+            client, name, config=_config(name), files={"file:1/model.py": broken.encode()}
+        )
+        assert "Invalid stub name: contains invalid characters" in error.message(), name
+        assert "SyntaxError" not in error.message()
+    assert _held(scratch) == []
+    client.close()
