@@ -34,7 +34,7 @@ from ..protocols import (
     parameters_of,
 )
 from ._base import LoadedInstance
-from ._triton_api import InferenceResponse, TritonError, TritonModelException
+from ._triton_api import InferenceResponse, TritonError, TritonModelException, tensor_array
 from ._triton_calls import cancelled_here, in_trio_worker_thread
 from ._triton_requests import InferenceRequest, InferenceResponseSender
 
@@ -93,7 +93,7 @@ class Declared:
         outputs = {}
         for tensor in response.output_tensors():
             name = tensor.name()
-            outputs[name] = _as_declared(tensor.as_numpy(), self.dtypes.get(name))
+            outputs[name] = _as_declared(tensor_array(tensor), self.dtypes.get(name))
         parameters = response.parameter_values()
         return ParameterizedOutputs(outputs, parameters) if parameters else outputs
 

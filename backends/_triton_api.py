@@ -17,10 +17,12 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from ..protocols import DataType
+from . import _dlpack
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -73,19 +75,6 @@ def _triton_type_number(data_type: DataType) -> int:
     return int(model_config_pb2.DataType.Value(data_type.config_name))
 
 
-class _DLPackCapsule:
-    """Gives numpy's ``from_dlpack`` a raw DLPack capsule (CPU memory)."""
-
-    def __init__(self, capsule: Any) -> None:
-        self._capsule = capsule
-
-    def __dlpack__(self, **_: Any) -> Any:
-        return self._capsule
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)  # kDLCPU, device 0
-
-
 class Tensor:
     """One named tensor: an input of a request, or an output a model returns.
 
@@ -122,7 +111,16 @@ class Tensor:
         return self._name
 
     def as_numpy(self) -> np.ndarray[Any, Any]:
-        """The tensor's data as a numpy array (the same memory, not a copy)."""
+        """The tensor's data as a numpy array (the same memory, not a copy).
+
+        Raises:
+            TritonModelException: a BF16 tensor, as in Triton (use `to_dlpack`).
+        """
+        if self._array.dtype == ml_dtypes.bfloat16:
+            raise TritonModelException(
+                f"tensor '{self._name}': tensor dtype is bf16 and cannot be converted to "
+                "numpy (use to_dlpack(), as in Triton)"
+            )
         return self._array
 
     def shape(self) -> list[int]:
@@ -142,14 +140,15 @@ class Tensor:
         return True
 
     def to_dlpack(self) -> Any:
-        """A DLPack capsule of the data, for zero-copy exchange with other frameworks.
+        """A DLPack capsule of the data, for exchange with other frameworks (BF16 too): the
+        same memory, except for a request's inputs, which are read-only (a copy of them).
 
         Raises:
             TritonModelException: BYTES tensors have no DLPack form.
         """
         if self._array.dtype == object:
             raise TritonModelException(f"tensor '{self._name}': BYTES tensors have no DLPack form")
-        return np.ascontiguousarray(self._array).__dlpack__()
+        return _dlpack.export(self._array)
 
     @staticmethod
     def from_dlpack(name: str, capsule: Any) -> Tensor:
@@ -159,21 +158,25 @@ class Tensor:
         Raises:
             TritonModelException: the data is not on the CPU, or not in C order.
         """
-        source = capsule if hasattr(capsule, "__dlpack__") else _DLPackCapsule(capsule)
-        device = source.__dlpack_device__() if hasattr(source, "__dlpack_device__") else (1, 0)
+        device = capsule.__dlpack_device__() if hasattr(capsule, "__dlpack_device__") else (1, 0)
         if device[0] not in (1, 3):  # kDLCPU, kDLCUDAHost
             raise TritonModelException(
                 f"Tensor.from_dlpack('{name}'): the data is on device type {device[0]}; "
                 "orchestrion's python backend takes tensors in CPU memory (copy it to the "
                 "host first)"
             )
-        array = np.from_dlpack(source)
+        array = _dlpack.import_(capsule)
         if not array.flags.c_contiguous:
             raise TritonModelException(f"Tensor.from_dlpack('{name}'): the data is not in C order")
         return Tensor(name, array)
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, {self._array.dtype}{list(self._array.shape)})"
+
+
+def tensor_array(tensor: Tensor) -> np.ndarray[Any, Any]:
+    """The array a `Tensor` holds, whatever its data type (BF16 too: the server's view)."""
+    return tensor._array
 
 
 def _parameters_json(parameters: Any) -> str:

@@ -33,6 +33,7 @@ from ._triton_api import (
     Tensor,
     TritonModelException,
     _parameters_json,
+    tensor_array,
 )
 from ._triton_calls import Execution, current_execution, error_response, in_trio_worker_thread
 
@@ -241,7 +242,7 @@ class InferenceRequest:
         return InferRequest(
             model_name=self._model_name,
             model_version=self._model_version,
-            inputs={t.name(): t.as_numpy() for t in self._inputs},
+            inputs={t.name(): tensor_array(t) for t in self._inputs},
             requested_outputs=frozenset(self._outputs) if self._outputs else None,
             request_id=self._request_id,
             parameters=json.loads(self.parameters()),

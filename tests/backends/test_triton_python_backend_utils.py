@@ -43,6 +43,55 @@ def test_dlpack_round_trip_shares_memory() -> None:
     assert pb_utils.Tensor.from_dlpack("Z", data).as_numpy().tolist() == [0, 1, 2, 3]
 
 
+class _Exported:
+    """A capsule as an object with ``__dlpack__``, for consumers that take no raw capsule
+    (JAX): what a model does with ``torch.utils.dlpack.from_dlpack(tensor.to_dlpack())``."""
+
+    def __init__(self, capsule: object) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **_: object) -> object:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+def test_bf16_tensors_go_through_dlpack_as_in_triton() -> None:
+    """A BF16 tensor (which numpy's DLPack refuses) exports as DLPack's bfloat16, which
+    another framework (JAX here, PyTorch in Triton's QA) reads as its own bfloat16, and
+    imports back from it; as_numpy() refuses it in Triton's words."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    values = np.array([[1.5, -2.0], [3e30, 0.0]], ml_dtypes.bfloat16)
+    tensor = pb_utils.Tensor("X", values)
+    imported = jax.dlpack.from_dlpack(_Exported(tensor.to_dlpack()))
+    assert imported.dtype == jnp.bfloat16
+    assert np.asarray(imported).tolist() == values.tolist()
+    back = pb_utils.Tensor.from_dlpack("Y", imported * 2)
+    assert back.data_type() == "BF16"
+    assert back.triton_dtype() == pb_utils.numpy_to_triton_type(ml_dtypes.bfloat16)
+    doubled = jax.dlpack.from_dlpack(_Exported(back.to_dlpack()))
+    assert np.asarray(doubled).tolist() == (values.astype(np.float32) * 2).tolist()
+    with pytest.raises(
+        pb_utils.TritonModelException, match="tensor dtype is bf16 and cannot be converted"
+    ):
+        tensor.as_numpy()
+
+
+def test_a_read_only_tensor_exports_a_copy() -> None:
+    """A request's inputs are read-only (they may be shared with other steps and the
+    cache): what a framework imports of one is a copy, which it may write into without
+    changing the request (numpy's own export refuses read-only arrays)."""
+    data = np.arange(4, dtype=np.float32)
+    data.flags.writeable = False
+    imported = np.from_dlpack(_Exported(pb_utils.Tensor("X", data).to_dlpack()))
+    assert imported.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not np.shares_memory(imported, data)
+
+
 def test_bytes_tensors_have_no_dlpack_form() -> None:
     """A BYTES tensor's to_dlpack is a TritonModelException naming the tensor."""
     with pytest.raises(pb_utils.TritonModelException, match="'S'"):
