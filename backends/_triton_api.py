@@ -75,6 +75,29 @@ def _triton_type_number(data_type: DataType) -> int:
     return int(model_config_pb2.DataType.Value(data_type.config_name))
 
 
+def check_argument(call: str, name: str, value: Any, kinds: Any, what: str) -> None:
+    """The type check pybind11 makes of an argument in Triton's python backend: a
+    TypeError naming the call and the argument (Triton's QA ``argument_validation``).
+
+    Raises:
+        TypeError: ``value`` is not an instance of ``kinds``.
+    """
+    if not isinstance(value, kinds):
+        raise TypeError(
+            f"{call}(): incompatible function arguments: '{name}' must be {what}, got "
+            f"{type(value).__name__}"
+        )
+
+
+def check_sequence(call: str, name: str, value: Any) -> None:
+    """`check_argument` for a list argument (a list or tuple; not a string).
+
+    Raises:
+        TypeError: ``value`` is not a list or a tuple.
+    """
+    check_argument(call, name, value, (list, tuple), "a list")
+
+
 class Tensor:
     """One named tensor: an input of a request, or an output a model returns.
 
@@ -85,6 +108,9 @@ class Tensor:
     def __init__(self, name: str, data: Any, dtype: Any = None) -> None:
         if isinstance(name, bytes):
             name = name.decode()
+        check_argument("Tensor", "name", name, str, "a string")
+        if data is None:
+            raise TypeError("Tensor(): incompatible function arguments: 'data' must be an array")
         array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":  # fixed-width strings: BYTES elements, as Triton stores them
             array = np.array(
@@ -158,6 +184,8 @@ class Tensor:
         Raises:
             TritonModelException: the data is not on the CPU, or not in C order.
         """
+        if capsule is None:
+            raise TritonModelException(f"Tensor.from_dlpack('{name}'): no DLPack capsule given")
         device = capsule.__dlpack_device__() if hasattr(capsule, "__dlpack_device__") else (1, 0)
         if device[0] not in (1, 3):  # kDLCPU, kDLCUDAHost
             raise TritonModelException(
@@ -207,11 +235,12 @@ class InferenceResponse:
 
     def __init__(
         self,
-        output_tensors: Sequence[Tensor] | None = None,
+        output_tensors: Sequence[Tensor] = (),
         error: TritonError | str | None = None,
         parameters: dict[str, Any] | None = None,
     ) -> None:
-        tensors = list(output_tensors or [])
+        check_sequence("InferenceResponse", "output_tensors", output_tensors)
+        tensors = list(output_tensors)
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException(

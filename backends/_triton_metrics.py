@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import enum
 import itertools
 import logging
 import math
@@ -25,7 +26,7 @@ from typing import ClassVar
 import attrs
 
 from ..protocols import CustomMetricFamily, CustomMetricSample
-from ._triton_api import TritonModelException
+from ._triton_api import TritonModelException, check_argument
 
 _log = logging.getLogger("orchestrion.models")
 
@@ -124,28 +125,38 @@ def get_model_dir() -> str:
 
 
 class Logger:
-    """Triton's model logger: ``pb_utils.Logger.log_info("...")`` and friends."""
+    """Triton's model logger: ``pb_utils.Logger.log_info("...")`` and friends; its levels
+    are ``Logger.INFO`` ... (``Logger.LogLevel``), and nothing else (an int is a TypeError,
+    as in Triton)."""
 
-    INFO = 0
-    WARNING = 1
-    ERROR = 2
-    VERBOSE = 3
-    _LEVELS: ClassVar[dict[int, int]] = {
-        INFO: logging.INFO,
-        WARNING: logging.WARNING,
-        ERROR: logging.ERROR,
-        VERBOSE: logging.DEBUG,
-    }
+    class LogLevel(enum.Enum):
+        """A level of `Logger.log`, by the Python logging level it logs at."""
+
+        INFO = logging.INFO
+        WARNING = logging.WARNING
+        ERROR = logging.ERROR
+        VERBOSE = logging.DEBUG
+
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = INFO) -> None:
-        """Log ``message`` at ``level`` (`Logger.INFO` unless given)."""
+    def log(message: str, level: Logger.LogLevel = LogLevel.INFO) -> None:
+        """Log ``message`` at ``level`` (`Logger.INFO` unless given).
+
+        Raises:
+            TypeError: ``message`` is not a string, or ``level`` not a `LogLevel`.
+        """
+        check_argument("log", "message", message, str, "a string")
+        check_argument("log", "level", level, Logger.LogLevel, "a pb_utils.Logger.LogLevel")
         try:
             scope = _SCOPE.get()
             prefix = f"model '{scope.name}' (version {scope.version}): "
         except LookupError:
             prefix = ""
-        _log.log(Logger._LEVELS.get(level, logging.INFO), "%s%s", prefix, message)
+        _log.log(level.value, "%s%s", prefix, message)
 
     @staticmethod
     def log_info(message: str) -> None:

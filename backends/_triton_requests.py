@@ -33,6 +33,8 @@ from ._triton_api import (
     Tensor,
     TritonModelException,
     _parameters_json,
+    check_argument,
+    check_sequence,
     tensor_array,
 )
 from ._triton_calls import Execution, current_execution, error_response, in_trio_worker_thread
@@ -100,7 +102,7 @@ class InferenceRequest:
         self,
         model_name: str | bytes = "",
         inputs: Sequence[Tensor] = (),
-        requested_output_names: Sequence[str] | None = None,
+        requested_output_names: Sequence[str | bytes] = (),
         request_id: str = "",
         correlation_id: int | str = 0,
         model_version: int = -1,
@@ -112,7 +114,14 @@ class InferenceRequest:
     ) -> None:
         if isinstance(model_name, bytes):
             model_name = model_name.decode()
-        self._model_name = str(model_name)
+        _check_arguments(model_name, inputs, requested_output_names, request_id, correlation_id)
+        for name, value in (
+            ("model_version", model_version),
+            ("flags", flags),
+            ("timeout", timeout),
+        ):
+            check_argument("InferenceRequest", name, value, int, "an integer")
+        self._model_name = model_name
         self._inputs = list(inputs)
         for tensor in self._inputs:
             if not isinstance(tensor, Tensor):
@@ -121,8 +130,7 @@ class InferenceRequest:
                     f"{type(tensor).__name__}"
                 )
         self._outputs = [
-            name.decode() if isinstance(name, bytes) else str(name)
-            for name in (requested_output_names or ())
+            name.decode() if isinstance(name, bytes) else name for name in requested_output_names
         ]
         self._request_id = str(request_id)
         self._correlation_id = correlation_id
@@ -286,6 +294,28 @@ class InferenceRequest:
             return await execution.bridge.call(execution.infer, self)
 
         return call()
+
+
+def _check_arguments(
+    model_name: object,
+    inputs: object,
+    requested_output_names: object,
+    request_id: object,
+    correlation_id: object,
+) -> None:
+    """The argument types Triton's ``InferenceRequest`` takes (its pybind11 checks).
+
+    Raises:
+        TypeError: one is of another type (named).
+    """
+    call = "InferenceRequest"
+    check_argument(call, "model_name", model_name, str, "a string")
+    check_sequence(call, "inputs", inputs)
+    check_sequence(call, "requested_output_names", requested_output_names)
+    for name in requested_output_names:  # type: ignore[attr-defined]
+        check_argument(call, "requested_output_names", name, (str, bytes), "a list of strings")
+    check_argument(call, "request_id", request_id, str, "a string")
+    check_argument(call, "correlation_id", correlation_id, (int, str), "an integer or a string")
 
 
 def _never() -> bool:

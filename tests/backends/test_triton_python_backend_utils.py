@@ -282,3 +282,62 @@ def test_calls_into_a_server_outside_execute_say_so() -> None:
     assert request.release_flags() == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
     with pytest.raises(pb_utils.TritonModelException, match="only a request that execute received"):
         request.get_response_sender()
+
+
+def _tensor() -> pb_utils.Tensor:
+    return pb_utils.Tensor("IN", np.array([1, 2], np.int32))
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "named"),
+    [
+        (lambda: pb_utils.InferenceRequest("m", None, []), TypeError, "inputs"),
+        (
+            lambda: pb_utils.InferenceRequest("m", [None], []),
+            pb_utils.TritonModelException,
+            "Tensor",
+        ),
+        (lambda: pb_utils.InferenceRequest(None, [_tensor()], []), TypeError, "model_name"),
+        (lambda: pb_utils.InferenceRequest("m", [], None), TypeError, "requested_output_names"),
+        (lambda: pb_utils.InferenceRequest("m", [], [None]), TypeError, "requested_output_names"),
+        (lambda: pb_utils.InferenceRequest("m", [], [], request_id=None), TypeError, "request_id"),
+        (
+            lambda: pb_utils.InferenceRequest("m", [], [], correlation_id=None),
+            TypeError,
+            "correlation_id",
+        ),
+        (lambda: pb_utils.InferenceRequest("m", [], [], model_version=None), TypeError, "model_"),
+        (lambda: pb_utils.InferenceRequest("m", [], [], flags=None), TypeError, "flags"),
+        (lambda: pb_utils.InferenceResponse(output_tensors=None), TypeError, "output_tensors"),
+        (lambda: pb_utils.InferenceResponse([None]), pb_utils.TritonModelException, "Tensor"),
+        (lambda: pb_utils.Tensor(None, np.array([1])), TypeError, "name"),
+        (lambda: pb_utils.Tensor("OUT", None), TypeError, "data"),
+        (lambda: pb_utils.Tensor.from_dlpack("OUT", None), pb_utils.TritonModelException, "OUT"),
+        (lambda: pb_utils.Logger.log("message", 1), TypeError, "level"),
+        (lambda: pb_utils.Logger.log("message", None), TypeError, "level"),
+        (lambda: pb_utils.Logger.log_info(None), TypeError, "message"),
+        (lambda: pb_utils.Logger.log_verbose(None), TypeError, "message"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_as_in_triton(
+    make: object, error: type[Exception], named: str
+) -> None:
+    """Triton's QA argument_validation: its pybind11 API refuses an argument of the wrong
+    type with a TypeError (here naming it), and a list holding None where tensors go with
+    a TritonModelException."""
+    with pytest.raises(error, match=re.escape(named)):
+        make()  # type: ignore[operator]
+
+
+def test_the_arguments_triton_takes_are_taken() -> None:
+    """Empty lists, a correlation id as an integer or a string (kept as given, 0 by
+    default), and a log level from Logger.LogLevel."""
+    pb_utils.InferenceRequest(requested_output_names=[], inputs=[], model_name="m")
+    pb_utils.InferenceResponse(output_tensors=[])
+    for given in (5, "test_str_id-5"):
+        request = pb_utils.InferenceRequest("m", [_tensor()], ["OUT"], correlation_id=given)
+        assert request.correlation_id() == given
+    assert pb_utils.InferenceRequest("m", [], []).correlation_id() == 0
+    assert pb_utils.Logger.INFO is pb_utils.Logger.LogLevel.INFO
+    pb_utils.Logger.log("message")
+    pb_utils.Logger.log("message", pb_utils.Logger.WARNING)
