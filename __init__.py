@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._blocking import Server as Server
+    from ._options import ServerOptions as ServerOptions
     from ._server import AsyncServer as AsyncServer
     from ._server import open_server as open_server
     from .actors import Model as Model
@@ -51,6 +52,7 @@ __version__ = "0.1.0.dev0"
 
 _WHERE = {
     "Server": "._blocking",
+    "ServerOptions": "._options",
     "AsyncServer": "._server",
     "open_server": "._server",
     "Model": ".actors",

@@ -20,21 +20,20 @@ import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import trio
-from opentelemetry import trace
 
+from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, refuse_other_loops
 from ._server import open_server as open_trio_server
-from .actors import TRITON_BACKEND_DIRECTORY, Model
+from .actors import Model
 from .backends._asyncio_bridge import TrioBridge, call_sync
 from .protocols import (
     CacheStatistics,
     InferResponse,
     ModelConfig,
     ModelStatistics,
-    Observer,
     RequestOptions,
     ServerClosedError,
     StepStatistics,
@@ -191,15 +190,8 @@ async def open_server(
     model_repository: str | os.PathLike[str] | None = None,
     models: Sequence[Model] = (),
     *,
-    load_models: Sequence[str] | None = None,
-    cache_config: str | Sequence[str] | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-    tracing: str | Sequence[str] | trace.TracerProvider | None = None,
-    observers: Sequence[Observer] = (),
-    auto_complete_config: bool = True,
-    model_config_name: str = "",
-    backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
+    options: ServerOptions | None = None,
+    **fields: Unpack[ServerOptionFields],
 ) -> AsyncIterator[AioServer]:
     """Open an orchestrion server from asyncio code; models are ready on entry.
 
@@ -216,18 +208,7 @@ async def open_server(
         "in trio use orchestrion.open_server, in plain code orchestrion.Server",
     )
     opener = functools.partial(
-        open_trio_server,
-        model_repository,
-        models,
-        load_models=load_models,
-        cache_config=cache_config,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        tracing=tracing,
-        observers=observers,
-        auto_complete_config=auto_complete_config,
-        model_config_name=model_config_name,
-        backend_directory=backend_directory,
+        open_trio_server, model_repository, models, options=chosen(options, fields)
     )
     loop = asyncio.get_running_loop()
     started: asyncio.Future[tuple[AsyncServer, TrioBridge, trio.lowlevel.TrioToken, trio.Event]]

@@ -15,20 +15,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import anyio.from_thread
 import sniffio
-from opentelemetry import trace
 
+from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, CacheTierLink, open_server
-from .actors import TRITON_BACKEND_DIRECTORY, Model
+from .actors import Model
 from .protocols import (
     CacheStatistics,
     InferResponse,
     ModelConfig,
     ModelStatistics,
-    Observer,
     RequestOptions,
     ServerClosedError,
     StepStatistics,
@@ -47,29 +46,11 @@ class Server:
         model_repository: str | os.PathLike[str] | None = None,
         models: Sequence[Model] = (),
         *,
-        load_models: Sequence[str] | None = None,
-        cache_config: str | Sequence[str] | None = None,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        tracing: str | Sequence[str] | trace.TracerProvider | None = None,
-        observers: Sequence[Observer] = (),
-        auto_complete_config: bool = True,
-        model_config_name: str = "",
-        backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
+        options: ServerOptions | None = None,
+        **fields: Unpack[ServerOptionFields],
     ) -> None:
         self._open = functools.partial(
-            open_server,
-            model_repository,
-            models,
-            load_models=load_models,
-            cache_config=cache_config,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            tracing=tracing,
-            observers=observers,
-            auto_complete_config=auto_complete_config,
-            model_config_name=model_config_name,
-            backend_directory=backend_directory,
+            open_server, model_repository, models, options=chosen(options, fields)
         )
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import sniffio
@@ -24,7 +24,8 @@ import trio
 from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
-from .actors import TRITON_BACKEND_DIRECTORY, ConfigReading, Model, ModelRegistry
+from ._options import ServerOptionFields, ServerOptions, chosen
+from .actors import ConfigReading, Model, ModelRegistry
 from .actors._watchdog import watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
@@ -376,45 +377,17 @@ async def open_server(
     model_repository: str | os.PathLike[str] | None = None,
     models: Sequence[Model] = (),
     *,
-    load_models: Sequence[str] | None = None,
-    cache_config: str | Sequence[str] | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-    tracing: str | Sequence[str] | trace.TracerProvider | None = None,
-    observers: Sequence[Observer] = (),
-    auto_complete_config: bool = True,
-    model_config_name: str = "",
-    backend_directory: str | Path = TRITON_BACKEND_DIRECTORY,
+    options: ServerOptions | None = None,
+    **fields: Unpack[ServerOptionFields],
 ) -> AsyncIterator[AsyncServer]:
     """Open an orchestrion server in a nursery of its own; models are ready on entry.
 
     Args:
         model_repository: a Triton-layout model repository folder, loaded whole.
         models: models defined in Python (`Model`), loaded next to the repository's.
-        load_models: load only these repository models at start (with the composing models
-            their ensembles need); None loads the whole repository, ``[]`` none of it (load
-            later with `AsyncServer.load_model`).
-        cache_config: the response cache, as Triton's ``--cache-config`` values: one string
-            or several (``"local,size=1048576"``, or ``["redis,host=localhost",
-            "redis,port=6379"]``). Models cache only with ``response_cache { enable: true }``.
-        metrics_port: serve Prometheus metrics at ``http://<metrics_host>:<port>/metrics``
-            while the server runs (0: any free port; see ``server.metrics_url``). None: no
-            endpoint (``server.metrics_text()`` still returns the text).
-        metrics_host: the address the metrics endpoint binds (loopback by default).
-        tracing: OpenTelemetry traces: Triton's ``--trace-config`` values (``["mode=
-            opentelemetry", "rate=100", "opentelemetry,url=http://localhost:4318/v1/traces"]``;
-            the server owns the exporter and flushes it on exit), or an application's own
-            ``TracerProvider``. None: no spans.
-        observers: receivers of runtime events (metrics, traces, tests).
-        auto_complete_config: a python-backend model's ``auto_complete_config`` (an ONNX
-            model's graph) completes its repository config, and may stand in for a missing
-            ``config.pbtxt``; False (Triton's ``--disable-auto-complete-config``): every
-            folder needs a complete one.
-        model_config_name: read ``<model>/configs/<name>.pbtxt`` instead of ``config.pbtxt``
-            in the repository folders that have one (Triton's ``--model-config-name``).
-        backend_directory: where python-based backends are (Triton's
-            ``--backend-directory``): a config whose ``backend`` is none of orchestrion's
-            own runs ``<backend_directory>/<backend>/model.py``.
+        options: how the server runs (`ServerOptions`: which models load at start, the
+            response cache, the metrics endpoint, tracing, observers, how configs are read).
+        fields: any field of `ServerOptions` by name (``metrics_port=0``), over ``options``.
 
     Raises:
         ConfigError: the repository, a config or the cache settings are invalid, or the
@@ -428,27 +401,28 @@ async def open_server(
         "open_server runs on trio, but was called from {library}; from asyncio (or plain "
         "code) use the blocking orchestrion.Server, see docs/guide.md",
     )
-    settings = parse_cache_config(cache_config)
+    opened = chosen(options, fields)
+    settings = parse_cache_config(opened.cache_config)
     reading = ConfigReading(
-        auto_complete=auto_complete_config,
-        config_name=model_config_name,
-        backend_directory=Path(backend_directory),
+        auto_complete=opened.auto_complete_config,
+        config_name=opened.model_config_name,
+        backend_directory=Path(opened.backend_directory),
     )
     # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
     # the cache they used.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(watch_event_loop())
-        tracer = await open_request_tracing(stack, tracing)
+        tracer = await open_request_tracing(stack, opened.tracing)
         actor: CacheActor | None = None
         if settings is not None:
             cache = await open_cache(settings)
             actor = await stack.enter_async_context(open_cache_actor(cache, settings.name))
         server = await stack.enter_async_context(
-            _open_models(model_repository, load_models, models, observers, actor, tracer, reading)
+            _open_models(model_repository, models, opened, actor, tracer, reading)
         )
-        if metrics_port is not None:
+        if opened.metrics_port is not None:
             server.metrics_url = await stack.enter_async_context(
-                open_metrics_endpoint(server._metrics, metrics_host, metrics_port)
+                open_metrics_endpoint(server._metrics, opened.metrics_host, opened.metrics_port)
             )
         yield server
 
@@ -471,19 +445,19 @@ def refuse_other_loops(wanted: str, advice: str) -> None:
 @contextlib.asynccontextmanager
 async def _open_models(
     model_repository: str | os.PathLike[str] | None,
-    load_models: Sequence[str] | None,
     models: Sequence[Model],
-    observers: Sequence[Observer],
+    opened: ServerOptions,
     cache: CacheActor | None,
     tracing: RequestTracing | None,
     reading: ConfigReading,
 ) -> AsyncIterator[AsyncServer]:
+    load_models = opened.load_models
     # Errors of loading and of the caller's own block leave as themselves, not wrapped in
     # the exception group of the nursery that owns the actors.
     async with ungrouped(trio.open_nursery()) as nursery:
         registry = ModelRegistry(
             nursery=nursery,
-            observer=_observer(observers),
+            observer=_observer(opened.observers),
             repository=Path(model_repository) if model_repository is not None else None,
             config_reading=reading,
             cache=cache,

@@ -15,9 +15,10 @@ ALLOWED = {
     "caches": {"protocols"},
     "telemetry": {"protocols"},
     "actors": {"backends", "caches", "protocols", "telemetry"},
-    "_server": {"actors", "backends", "caches", "protocols", "telemetry"},
-    "_blocking": {"_server", "actors", "protocols"},
-    "_aio": {"_server", "actors", "backends", "protocols"},
+    "_options": {"actors", "protocols"},
+    "_server": {"_options", "actors", "backends", "caches", "protocols", "telemetry"},
+    "_blocking": {"_options", "_server", "actors", "protocols"},
+    "_aio": {"_options", "_server", "actors", "backends", "protocols"},
     "aio": {"_aio"},
     "frontends": {
         "_server",
@@ -37,7 +38,15 @@ LARGER = {"frontends/_http_server.py", "caches/_actor.py"}
 
 def _package_modules() -> list[Path]:
     modules = [
-        ROOT / name for name in ("_server.py", "_blocking.py", "_aio.py", "aio.py", "__main__.py")
+        ROOT / name
+        for name in (
+            "_options.py",
+            "_server.py",
+            "_blocking.py",
+            "_aio.py",
+            "aio.py",
+            "__main__.py",
+        )
     ]
     for folder in PACKAGE_FOLDERS:
         modules.extend(sorted((ROOT / folder).glob("*.py")))

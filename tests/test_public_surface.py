@@ -46,6 +46,7 @@ def test_public_names() -> None:
             "ResponseCache",
             "Server",
             "ServerClosedError",
+            "ServerOptions",
             "StepRefusedError",
             "StepStatistics",
             "TensorConfig",
