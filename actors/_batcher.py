@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from ..backends import join_inputs, split_outputs
 from ..protocols import ServerClosedError
-from ._batch_queue import BatchQueue, join_inputs, rows_of, split_outputs
+from ._batch_queue import BatchQueue, rows_of
 from ._instances import Instance, Work
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 import attrs
 import trio
 
-from ..backends import Backend, Capabilities, ServerCalls, backend_for
+from ..backends import Backend, Capabilities, ServerCalls, backend_for, split_outputs
 from ..protocols import (
     InferenceError,
     InferRequest,
@@ -41,7 +41,7 @@ from ..protocols import (
     sent_final,
 )
 from ..telemetry import RequestTracing
-from ._batch_queue import BatchQueue, batch_size, rows_of, split_outputs
+from ._batch_queue import BatchQueue, batch_size, rows_of
 from ._batcher import Batcher
 from ._definition import Model
 from ._instances import Instance, Instances, Timings, Work

@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 import trio
 
+from ..backends import join_inputs, split_outputs
 from ..protocols import (
     InferRequest,
     InvalidRequestError,
@@ -38,7 +39,7 @@ from ..protocols import (
     Tensors,
     start_value,
 )
-from ._batch_queue import join_inputs, rows_of, split_outputs
+from ._batch_queue import rows_of
 from ._instances import Instance, Work
 from ._sequence_slots import Lane, Sequence, SequenceSlots
 

@@ -20,5 +20,11 @@ from ._function import host_tensors as host_tensors
 from ._function import import_code_file as import_code_file
 from ._function import response_on_host as response_on_host
 from ._onnx import complete_onnx_config as complete_onnx_config
+from ._rows import concatenate as concatenate
+from ._rows import join_inputs as join_inputs
+from ._rows import repeat_last_row as repeat_last_row
+from ._rows import rows_view as rows_view
+from ._rows import split_outputs as split_outputs
+from ._rows import take_rows as take_rows
 from ._triton_config import auto_complete as auto_complete
 from ._triton_config import stub_name_problem as stub_name_problem

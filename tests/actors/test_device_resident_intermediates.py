@@ -20,7 +20,7 @@ import pytest
 import trio
 
 import orchestrion
-from orchestrion.actors import _batch_queue
+from orchestrion.backends import _rows
 from orchestrion.protocols import DynamicBatching
 from orchestrion.testing import ensemble, fused, infer_until_fused, model, step, tensor, with_fusion
 
@@ -139,7 +139,7 @@ async def test_a_batched_ensemble_joins_and_splits_on_the_device(
     accelerator that happens on the device (no round trip; forced here on the CPU to prove
     it); on a CPU-only machine as numpy views of the same memory, which costs far less than
     a JAX operation: there the guard is left off, the answers must still be right."""
-    monkeypatch.setattr(_batch_queue, "ON_ACCELERATOR", accelerator)
+    monkeypatch.setattr(_rows, "ON_ACCELERATOR", accelerator)
     batching = DynamicBatching(max_queue_delay_microseconds=20_000)
     rows = [tensor("X", dims=(16,))]
     models = [
