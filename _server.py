@@ -25,7 +25,7 @@ from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from .actors import ConfigReading, Model, ModelRegistry
+from .actors import ConfigReading, Model, ModelControlCalls, ModelRegistry
 from .actors._watchdog import watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
@@ -323,6 +323,11 @@ class AsyncServer:
         one): use `stream_infer` for it."""
         self._registry.resolve(name)
         return self._registry.decoupled(name)
+
+    def use_model_control(self, control: ModelControlCalls | None) -> None:
+        """Where a model's own ``pb_utils.load_model`` / ``unload_model`` go: the served
+        repository's model control (``orchestrion serve`` sets its own); None refuses them."""
+        self._registry.use_model_control(control)
 
     @property
     def model_repository(self) -> Path | None:

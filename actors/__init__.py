@@ -16,4 +16,5 @@ from ._repository import scan_repository as scan_repository
 from ._repository_reader import find_model_folder as find_model_folder
 from ._repository_reader import load_code as load_code
 from ._repository_reader import scan_closure as scan_closure
+from ._request_router import ModelControlCalls as ModelControlCalls
 from ._runner import ModelRunner as ModelRunner

@@ -131,7 +131,7 @@ async def _run(
                 "requests are answered from the response cache: the figures above mix cache "
                 "hits with computed requests. `--no-cache` times the pipeline itself.[/dim]"
             )
-        if server._registry.decoupled(example.model):
+        if server.is_decoupled(example.model):
             steps = ", ".join(
                 f"step[{s.step}] {s.model_name}: {peaks.get(s.step, 0)} "
                 f"(limit {s.max_inflight_requests or 'none'})"
@@ -169,7 +169,7 @@ async def _drive(
     progress = _progress(console)
     task = progress.add_task("infer", total=requests)
 
-    streaming = server._registry.decoupled(example.model)
+    streaming = server.is_decoupled(example.model)
 
     async def one(index: int) -> None:
         if not streaming:

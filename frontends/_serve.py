@@ -305,7 +305,7 @@ async def _open_model_control(
         config_reading=options.reading,
         api_refusal=worker_refusal("model control", options) if options.worker_of else None,
     )
-    server._registry.use_model_control(control)  # the models' own load_model calls
+    server.use_model_control(control)  # the models' own load_model calls
     if mode is ModelControlMode.EXPLICIT:
         await control.load_at_start(options.load_models, exit_on_error=options.exit_on_error)
     elif not options.exit_on_error:
