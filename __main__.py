@@ -1,5 +1,5 @@
 """``python -m orchestrion``: the command line."""
 
-from .frontends._cli import main
+from .frontends import main
 
 raise SystemExit(main())

@@ -28,7 +28,7 @@ from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, refuse_other_loops
 from ._server import open_server as open_trio_server
 from .actors import Model
-from .backends._asyncio_bridge import TrioBridge, call_sync
+from .backends import TrioBridge, call_sync
 from .protocols import (
     CacheStatistics,
     InferResponse,

@@ -25,8 +25,7 @@ from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from .actors import ConfigReading, Model, ModelControlCalls, ModelRegistry
-from .actors._watchdog import watch_event_loop
+from .actors import ConfigReading, Model, ModelControlCalls, ModelRegistry, watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
@@ -43,8 +42,8 @@ from .protocols import (
     StepStatistics,
     new_request,
     parse_cache_config,
+    ungrouped,
 )
-from .protocols._errors import ungrouped
 from .telemetry import (
     RequestTracing,
     extract_traceparent,

@@ -6,6 +6,7 @@ from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._load_lock import LoadLock as LoadLock
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
+from ._repository import CONFIG_FILE as CONFIG_FILE
 from ._repository import TRITON_BACKEND_DIRECTORY as TRITON_BACKEND_DIRECTORY
 from ._repository import ConfigReading as ConfigReading
 from ._repository import RepositoryEntry as RepositoryEntry
@@ -18,3 +19,4 @@ from ._repository_reader import load_code as load_code
 from ._repository_reader import scan_closure as scan_closure
 from ._request_router import ModelControlCalls as ModelControlCalls
 from ._runner import ModelRunner as ModelRunner
+from ._watchdog import watch_event_loop as watch_event_loop

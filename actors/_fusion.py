@@ -50,8 +50,7 @@ import numpy as np
 import trio
 
 from ..backends import concatenate, repeat_last_row, rows_view, take_rows
-from ..protocols import ModelConfig, StepPlan, Tensors
-from ..protocols._tensors import expected_shape
+from ..protocols import ModelConfig, StepPlan, Tensors, expected_shape
 from ._batch_queue import OnePass, gathered_batches
 from ._definition import FusionMode
 from ._instances import THREAD_ABOVE_NS

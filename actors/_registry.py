@@ -36,9 +36,9 @@ from ..protocols import (
     OrchestrionError,
     ServerClosedError,
     StepStatistics,
+    leaf_errors,
     validate_repository,
 )
-from ..protocols._errors import leaf_errors
 from ..telemetry import RequestTracing
 from ._definition import Model, check_model
 from ._ensemble import EnsembleRunner

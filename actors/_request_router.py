@@ -32,16 +32,17 @@ from ..protocols import (
     InferRequest,
     InferResponse,
     InvalidRequestError,
+    LoadOverride,
     ModelConfig,
     ModelControlError,
     ModelNotFoundError,
     Observer,
     OrchestrionError,
     cache_key,
+    load_override_from_files,
     shared_outputs,
     stored_outputs_problem,
 )
-from ..protocols._model_load import LoadOverride, load_override_from_files
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._batch_queue import batch_size
 from ._ensemble import EnsembleRunner

@@ -10,6 +10,8 @@ backend (``TritonPythonModel``, with ``triton_python_backend_utils``, BLS and re
 senders) and ONNX Runtime (an ONNX graph, one session per instance).
 """
 
+from ._asyncio_bridge import TrioBridge as TrioBridge
+from ._asyncio_bridge import call_sync as call_sync
 from ._base import Backend as Backend
 from ._base import Capabilities as Capabilities
 from ._base import LoadedInstance as LoadedInstance

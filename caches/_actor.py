@@ -44,8 +44,8 @@ from ..protocols import (
     CacheWriteRefusedError,
     InferResponse,
     frozen_outputs,
+    ungrouped,
 )
-from ..protocols._errors import ungrouped
 from ._protocol import ResponseCache
 
 _log = logging.getLogger("orchestrion.caches")

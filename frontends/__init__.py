@@ -5,3 +5,5 @@ control modes, ``serve`` itself and the CLI. They sit above the embedding API
 (``orchestrion.open_server``) and talk to the runtime only through it; the wire formats they
 speak are ``orchestrion.protocols``.
 """
+
+from ._cli import main as main

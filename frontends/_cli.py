@@ -23,15 +23,14 @@ from pathlib import Path
 import trio
 from rich.console import Console
 
-from ..actors import load_model_code, scan_repository
-from ..actors._repository import CONFIG_FILE
+from ..actors import CONFIG_FILE, load_model_code, scan_repository
 from ..protocols import (
     CacheUnavailableError,
     ConfigError,
     ModelLoadError,
+    ungrouped,
     validate_repository,
 )
-from ..protocols._errors import ungrouped
 from ._cli_flags import add_serve_flags, serve_settings
 from ._cli_run import add_run_flags, run_command
 from ._cli_triton_flags import HelpFormatter

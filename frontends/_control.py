@@ -45,12 +45,12 @@ from ..actors import (
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
+    LoadOverride,
     LoadRequestError,
     ModelControlError,
     ModelLoadError,
     OrchestrionError,
 )
-from ..protocols._model_load import LoadOverride
 from ._load_plans import LoadPlan, folder_fingerprint, plan_load, relative_paths
 from ._uploads import UploadFolders
 

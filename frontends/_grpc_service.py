@@ -23,30 +23,29 @@ import trio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._server import AsyncServer
-from ..backends._asyncio_bridge import TrioBridge, call_sync
+from ..backends import TrioBridge, call_sync
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
     OrchestrionError,
     RegionNotFoundError,
     UnsupportedError,
-    os_error_in,
-)
-from ..protocols._errors import ungrouped
-from ..protocols._kserve_grpc import (
     declared_size,
     decode_grpc_request,
+    error_message,
+    grpc_status,
+    load_override_from_grpc,
     model_config_response,
     model_metadata_message,
     model_statistics_message,
+    os_error_in,
     parameter_value,
+    parse_version,
     repository_index_message,
     serialized_grpc_response,
     server_metadata_message,
+    ungrouped,
 )
-from ..protocols._kserve_requests import parse_version
-from ..protocols._kserve_status import error_message, grpc_status
-from ..protocols._model_load import load_override_from_grpc
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._grpc_handlers import method_handlers
 from ._grpc_streams import END, OpenStreams, Stream

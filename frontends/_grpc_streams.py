@@ -26,15 +26,14 @@ from ..protocols import (
     InvalidRequestError,
     OrchestrionError,
     ServerClosedError,
-)
-from ..protocols._kserve_grpc import (
+    WireRequest,
     declared_size,
     decode_grpc_request,
     encode_grpc_response,
+    error_message,
     final_response,
+    grpc_status,
 )
-from ..protocols._kserve_requests import WireRequest
-from ..protocols._kserve_status import error_message, grpc_status
 from ._offload import off_loop
 from ._wire_infer import WireInfer
 

@@ -23,32 +23,30 @@ import trio
 
 from .._server import AsyncServer
 from ..protocols import (
+    HEADER_LENGTH,
     ConfigError,
     InferResponse,
     InvalidRequestError,
+    ModelConfig,
     OrchestrionError,
     RegionNotFoundError,
     UnsupportedError,
-)
-from ..protocols._config import ModelConfig
-from ..protocols._json_objects import load_json_object
-from ..protocols._kserve_documents import (
-    model_config_json,
-    model_metadata,
-    model_statistics_json,
-    repository_index,
-    server_metadata,
-)
-from ..protocols._kserve_http import (
-    HEADER_LENGTH,
+    WireRequest,
     decode_http_request,
     decode_raw_request,
     encode_http_response,
     error_body,
+    error_message,
+    http_status,
+    load_json_object,
+    load_override_from_http,
+    model_config_json,
+    model_metadata,
+    model_statistics_json,
+    parse_version,
+    repository_index,
+    server_metadata,
 )
-from ..protocols._kserve_requests import WireRequest, parse_version
-from ..protocols._kserve_status import error_message, http_status
-from ..protocols._model_load import load_override_from_http
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
 from ._http_server import (
     DEFAULT_BODY_MIN_RATE,

@@ -29,10 +29,13 @@ from ..actors import (
     scan_closure,
     scan_model_folder,
 )
-from ..protocols import ConfigError, LoadRequestError, ModelConfig, format_model_config
-from ..protocols._model_load import (
+from ..protocols import (
     CONFIG_SOURCE,
+    ConfigError,
     LoadOverride,
+    LoadRequestError,
+    ModelConfig,
+    format_model_config,
     parse_config_override,
     upload_problems,
 )

@@ -27,8 +27,7 @@ import attrs
 import grpc
 import trio
 
-from ..protocols import ConfigError, OrchestrionError
-from ..protocols._kserve_status import error_message, grpc_status
+from ..protocols import ConfigError, OrchestrionError, error_message, grpc_status
 from ._control import Shutdown
 from ._grpc_handlers import Method, methods
 from ._grpc_service import InferenceService, status_on_error

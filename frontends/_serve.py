@@ -30,9 +30,7 @@ import trio
 
 from .._server import AsyncServer, open_server
 from ..actors import AUTO_COMPLETE, ConfigReading
-from ..protocols import ConfigError
-from ..protocols._errors import ungrouped
-from ..protocols._model_load import DEFAULT_MAX_UPLOAD_SIZE, UploadLimits
+from ..protocols import DEFAULT_MAX_UPLOAD_SIZE, ConfigError, UploadLimits, ungrouped
 from ._control import (
     DEFAULT_EXIT_TIMEOUT,
     ModelControl,

@@ -34,10 +34,13 @@ import numpy as np
 from ..protocols import (
     InvalidRequestError,
     RegionNotFoundError,
+    SharedInput,
+    SharedMemoryRef,
     UnsupportedError,
+    WireRequest,
+    tensor_from_bytes,
+    tensor_to_bytes,
 )
-from ..protocols._kserve_requests import SharedInput, SharedMemoryRef, WireRequest
-from ..protocols._kserve_tensors import tensor_from_bytes, tensor_to_bytes
 
 DEFAULT_MAX_REGIONS = 1024
 """How many regions may be registered at once by default (each holds a file descriptor)."""

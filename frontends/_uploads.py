@@ -23,8 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from ..protocols import LoadRequestError
-from ..protocols._model_load import UploadLimits
+from ..protocols import LoadRequestError, UploadLimits
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -14,9 +14,7 @@ import attrs
 import numpy as np
 
 from .._server import AsyncServer, CacheTierLink
-from ..protocols import InferResponse, RequestOptions
-from ..protocols._classification import classified
-from ..protocols._kserve_requests import WireRequest
+from ..protocols import InferResponse, RequestOptions, WireRequest, classified
 from ._offload import off_loop
 from ._shared_memory import Lease, SharedMemory
 

@@ -54,10 +54,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from ..protocols import ConfigError
-from ..protocols._errors import ungrouped
-from ..telemetry._http import serve_metrics_endpoint
-from ..telemetry._metrics import render_text
+from ..protocols import ConfigError, ungrouped
+from ..telemetry import render_text, serve_metrics_endpoint
 from ._control import Shutdown
 from ._logging import GRPC_STARTED, HTTP_STARTED, METRICS_STARTED, report_started
 

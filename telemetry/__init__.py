@@ -2,6 +2,7 @@
 
 from ._http import metrics_app as metrics_app
 from ._http import open_metrics_endpoint as open_metrics_endpoint
+from ._http import serve_metrics_endpoint as serve_metrics_endpoint
 from ._metrics import CONTENT_TYPE as CONTENT_TYPE
 from ._metrics import MetricsSource as MetricsSource
 from ._metrics import ServerMetrics as ServerMetrics

@@ -18,8 +18,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from prometheus_client.registry import CollectorRegistry
 
-from ..protocols import ConfigError, os_error_in
-from ..protocols._errors import ungrouped
+from ..protocols import ConfigError, os_error_in, ungrouped
 from ._metrics import CONTENT_TYPE, metrics_text
 
 _log = logging.getLogger("orchestrion.telemetry")

@@ -92,6 +92,29 @@ def test_imports_run_one_way() -> None:
     assert len(_package_modules()) > 50  # the walk found the package
 
 
+def test_packages_use_each_others_public_faces() -> None:
+    """A module takes another package's names from that package, never from one of its
+    private modules (imports for type checking aside: `Model` in the backends, until it
+    moves below the runtime)."""
+    reached = []
+    for path in _package_modules():
+        tree = ast.parse(path.read_text())
+        type_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        own = _layer(path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in type_only:
+                continue
+            parts = (node.module or "").split(".")
+            if len(parts) == 2 and parts[0] != own and parts[1].startswith("_"):
+                reached.append(f"{path.relative_to(ROOT)} imports {node.module}")
+    assert reached == []
+
+
 def test_modules_and_functions_stay_small() -> None:
     too_big = []
     for path in _package_modules():
