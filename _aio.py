@@ -27,7 +27,7 @@ import trio
 from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, refuse_other_loops
 from ._server import open_server as open_trio_server
-from .actors import Model
+from .actors import Model, ModelControlCalls
 from .backends import TrioBridge, call_sync
 from .protocols import (
     CacheStatistics,
@@ -162,6 +162,10 @@ class AioServer:
     async def is_model_ready(self, name: str, version: int = -1) -> bool:
         """See `AsyncServer.is_model_ready`."""
         return await self._sync(self._server.is_model_ready, name, version)
+
+    async def use_model_control(self, control: ModelControlCalls | None) -> None:
+        """See `AsyncServer.use_model_control`."""
+        await self._sync(self._server.use_model_control, control)
 
     @property
     def model_repository(self) -> Path | None:

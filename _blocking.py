@@ -22,7 +22,7 @@ import sniffio
 
 from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, CacheTierLink, open_server
-from .actors import Model
+from .actors import Model, ModelControlCalls
 from .protocols import (
     CacheStatistics,
     InferResponse,
@@ -208,6 +208,10 @@ class Server:
         """See `AsyncServer.is_decoupled`."""
         result: bool = self._sync("is_decoupled", name)
         return result
+
+    def use_model_control(self, control: ModelControlCalls | None) -> None:
+        """See `AsyncServer.use_model_control`."""
+        self._sync("use_model_control", control)
 
     @property
     def model_repository(self) -> Path | None:
