@@ -299,7 +299,7 @@ class InferenceRequest:
 def _check_arguments(
     model_name: object,
     inputs: object,
-    requested_output_names: object,
+    requested_output_names: Any,
     request_id: object,
     correlation_id: object,
 ) -> None:
@@ -312,7 +312,7 @@ def _check_arguments(
     check_argument(call, "model_name", model_name, str, "a string")
     check_sequence(call, "inputs", inputs)
     check_sequence(call, "requested_output_names", requested_output_names)
-    for name in requested_output_names:  # type: ignore[attr-defined]
+    for name in requested_output_names:  # a list or a tuple, checked just above
         check_argument(call, "requested_output_names", name, (str, bytes), "a list of strings")
     check_argument(call, "request_id", request_id, str, "a string")
     check_argument(call, "correlation_id", correlation_id, (int, str), "an integer or a string")

@@ -58,15 +58,20 @@ def _layer(path: Path) -> str:
     return relative.parts[0] if len(relative.parts) > 1 else relative.stem
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """The layers ``path`` imports from at run time (relative imports of the package)."""
-    tree = ast.parse(path.read_text())
-    type_only = {
+def _type_only(tree: ast.Module) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:`` (imports for type checkers only), by id."""
+    return {
         id(inner)
         for node in ast.walk(tree)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for inner in ast.walk(node)
     }
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The layers ``path`` imports from at run time (relative imports of the package)."""
+    tree = ast.parse(path.read_text())
+    type_only = _type_only(tree)
     found = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in type_only:
@@ -99,12 +104,7 @@ def test_packages_use_each_others_public_faces() -> None:
     reached = []
     for path in _package_modules():
         tree = ast.parse(path.read_text())
-        type_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for inner in ast.walk(node)
-        }
+        type_only = _type_only(tree)
         own = _layer(path)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in type_only:
