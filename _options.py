@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 
-from .actors import TRITON_BACKEND_DIRECTORY
+from .actors import TRITON_BACKEND_DIRECTORY, ConfigReading
 from .protocols import Observer
 
 if TYPE_CHECKING:
@@ -57,6 +58,18 @@ class ServerOptions:
     backend_directory: str | PathLike[str] = TRITON_BACKEND_DIRECTORY
     """Where python-based backends are (Triton's ``--backend-directory``): a config whose
     ``backend`` is none of orchestrion's own runs ``<backend_directory>/<backend>/model.py``."""
+
+    def reading(self) -> ConfigReading:
+        """How the repository's configs and code are found, by these options.
+
+        Raises:
+            ConfigError: ``model_config_name`` is not a plain file name.
+        """
+        return ConfigReading(
+            auto_complete=self.auto_complete_config,
+            config_name=self.model_config_name,
+            backend_directory=Path(self.backend_directory),
+        )
 
 
 class ServerOptionFields(TypedDict, total=False):

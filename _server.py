@@ -407,11 +407,7 @@ async def open_server(
     )
     opened = chosen(options, fields)
     settings = parse_cache_config(opened.cache_config)
-    reading = ConfigReading(
-        auto_complete=opened.auto_complete_config,
-        config_name=opened.model_config_name,
-        backend_directory=Path(opened.backend_directory),
-    )
+    reading = opened.reading()  # its errors before anything opens
     # Closed in reverse order: the metrics endpoint, then the models (requests finish), then
     # the cache they used.
     async with contextlib.AsyncExitStack() as stack:

@@ -334,7 +334,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     if config.is_onnx:
         return _onnx_model(entry, version, config_source, fingerprint, labels, initial_states)
     directory = entry.path / str(version)
-    if config.backend not in ("", "jax"):  # a python backend's: refused before its code runs
+    if config.backend == "python" or entry.backend_file is not None:  # before its code runs
         problem = stub_name_problem(config.name, config_source)
         if problem:
             raise ConfigError(problem)

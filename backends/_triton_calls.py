@@ -215,11 +215,7 @@ class Execution:
         return self._bridge
 
     def _server(self, call: str) -> ServerCalls:
-        if self.calls is None:
-            raise TritonModelException(
-                f"{call}: model '{self.model_name}' runs without a server to call"
-            )
-        return self.calls
+        return server_calls(self.calls, self.model_name, call)
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """One BLS call; its failure is the response's error, as Triton gives it."""
@@ -397,6 +393,17 @@ def _serving_caller() -> Execution | None:
             return next(iter(executions.values())) if len(executions) == 1 else None
         frame = frame.f_back
     return None
+
+
+def server_calls(calls: ServerCalls | None, model_name: str, call: str) -> ServerCalls:
+    """``calls``, for the model's ``call`` into the server.
+
+    Raises:
+        TritonModelException: the model runs without a server (made in Python, alone).
+    """
+    if calls is None:
+        raise TritonModelException(f"{call}: model '{model_name}' runs without a server to call")
+    return calls
 
 
 def current_execution(call: str) -> Execution:

@@ -37,7 +37,13 @@ from ._triton_api import (
     check_sequence,
     tensor_array,
 )
-from ._triton_calls import Execution, current_execution, error_response, in_trio_worker_thread
+from ._triton_calls import (
+    Execution,
+    current_execution,
+    error_response,
+    in_trio_worker_thread,
+    server_calls,
+)
 
 T = TypeVar("T")
 
@@ -114,13 +120,14 @@ class InferenceRequest:
     ) -> None:
         if isinstance(model_name, bytes):
             model_name = model_name.decode()
-        _check_arguments(model_name, inputs, requested_output_names, request_id, correlation_id)
-        for name, value in (
-            ("model_version", model_version),
-            ("flags", flags),
-            ("timeout", timeout),
-        ):
-            check_argument("InferenceRequest", name, value, int, "an integer")
+        _check_arguments(
+            model_name,
+            inputs,
+            requested_output_names,
+            request_id,
+            correlation_id,
+            integers={"model_version": model_version, "flags": flags, "timeout": timeout},
+        )
         self._model_name = model_name
         self._inputs = list(inputs)
         for tensor in self._inputs:
@@ -302,8 +309,11 @@ def _check_arguments(
     requested_output_names: Any,
     request_id: object,
     correlation_id: object,
+    *,
+    integers: Mapping[str, object],
 ) -> None:
-    """The argument types Triton's ``InferenceRequest`` takes (its pybind11 checks).
+    """The argument types Triton's ``InferenceRequest`` takes (its pybind11 checks);
+    ``integers``: the arguments that must be integers, by name.
 
     Raises:
         TypeError: one is of another type (named).
@@ -316,6 +326,8 @@ def _check_arguments(
         check_argument(call, "requested_output_names", name, (str, bytes), "a list of strings")
     check_argument(call, "request_id", request_id, str, "a string")
     check_argument(call, "correlation_id", correlation_id, (int, str), "an integer or a string")
+    for name, value in integers.items():
+        check_argument(call, name, value, int, "an integer")
 
 
 def _never() -> bool:
@@ -345,11 +357,7 @@ class ModelSetup:
         return trio.from_thread.run(fn, *args)
 
     def _server(self, call: str) -> ServerCalls:
-        if self.calls is None:
-            raise TritonModelException(
-                f"{call}: model '{self.model_name}' runs without a server to call"
-            )
-        return self.calls
+        return server_calls(self.calls, self.model_name, call)
 
 
 _SETUP: contextvars.ContextVar[ModelSetup] = contextvars.ContextVar("orchestrion_model_setup")

@@ -65,11 +65,15 @@ class _Contract:
         self.name = name
         self.revision = revision
 
-    @asynccontextmanager
-    async def cache(self) -> AsyncIterator[ResponseCache]:
+    async def opened(self) -> ResponseCache:
         made = self._open()
         cache = await made if inspect.isawaitable(made) else made
         _expect(isinstance(cache, ResponseCache), f"{self.name}: not a ResponseCache: {cache!r}")
+        return cache
+
+    @asynccontextmanager
+    async def cache(self) -> AsyncIterator[ResponseCache]:
+        cache = await self.opened()
         try:
             yield cache
         finally:
@@ -184,8 +188,7 @@ class _Contract:
             self.same(cache.lookup_nowait(entry.key), entry, "insert_nowait, then lookup_nowait")
 
     async def the_actor_drives_it(self) -> None:
-        made = self._open()
-        cache = await made if inspect.isawaitable(made) else made
+        cache = await self.opened()
         entry = self.entry(50)
         response = InferResponse(
             model_name="m", model_version=1, outputs=dict(entry.outputs), parameters={"t": 5}
