@@ -39,6 +39,7 @@ from orchestrion.testing import (
 )
 
 MODES = ("on", "off")
+INLINE = {"execution": "inline"}
 
 
 def _counts(server: orchestrion.AsyncServer) -> dict[tuple[str, int], tuple[int, ...]]:
@@ -583,8 +584,14 @@ async def test_an_expired_unbatched_request_counts_the_same() -> None:
     inline (uninterruptible), count them, and report a timeout."""
     counts = {}
     for fusion in MODES:
+        # Inline by configuration: on a loaded machine the warm-up's timing could put a step
+        # in a thread, where the unfused path sees the deadline before the step runs.
+        steps = [
+            model(name, lambda X: {"Y": X * 2}, [tensor("X")], [tensor("Y")], parameters=INLINE)
+            for name in ("d1", "d2")
+        ]
         pipe = with_fusion(chain("pipe", "d1", "d2"), fusion)
-        async with orchestrion.open_server(models=[double("d1"), double("d2"), pipe]) as server:
+        async with orchestrion.open_server(models=[*steps, pipe]) as server:
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
             with pytest.raises(InferenceTimeoutError):
                 await server.infer("pipe", {"IN": np.ones(16, np.float32)}, timeout=1e-9)
