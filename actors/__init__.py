@@ -1,15 +1,15 @@
 """The runtime: model instances, ensemble steps and the registry, as trio actors."""
 
-from ._definition import Model as Model
+from ..protocols import Model as Model
 from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._load_lock import LoadLock as LoadLock
+from ._model_files import CONFIG_FILE as CONFIG_FILE
+from ._model_files import RepositoryEntry as RepositoryEntry
 from ._registry import ModelRegistry as ModelRegistry
 from ._repository import AUTO_COMPLETE as AUTO_COMPLETE
-from ._repository import CONFIG_FILE as CONFIG_FILE
 from ._repository import TRITON_BACKEND_DIRECTORY as TRITON_BACKEND_DIRECTORY
 from ._repository import ConfigReading as ConfigReading
-from ._repository import RepositoryEntry as RepositoryEntry
 from ._repository import is_model_folder as is_model_folder
 from ._repository import load_model_code as load_model_code
 from ._repository import scan_model_folder as scan_model_folder

@@ -29,7 +29,7 @@ from ._batch_queue import BatchQueue, rows_of
 from ._instances import Instance, Work
 
 if TYPE_CHECKING:
-    from ._runner import ModelRunner
+    from ._executor import Executor
 
 
 @attrs.define(eq=False, slots=True)
@@ -44,7 +44,7 @@ class Batch:
 class Batcher:
     """One batching model's batcher and the instances' batch loops."""
 
-    runner: ModelRunner
+    executor: Executor
     queue: BatchQueue
     sizes: tuple[int, ...]
     """Batch sizes a batch is padded to (all compiled at load); empty: as it is."""
@@ -100,7 +100,7 @@ class Batcher:
                     expired: list[Work] = []
                     before = len(queue)
                     batch = queue.take(expired)
-                    self.runner.queued -= before - len(queue)  # batched, expired or abandoned
+                    self.executor.queued -= before - len(queue)  # batched, expired or abandoned
                     for work in expired:
                         work.done.set()
                     if not batch:
@@ -113,7 +113,7 @@ class Batcher:
                 with contextlib.suppress(trio.ClosedResourceError):
                     _drain_into(receive, queue)
                 for work in queue.drain():
-                    self.runner.queued -= 1
+                    self.executor.queued -= 1
                     work.error = ServerClosedError("the server is shutting down")
                     work.done.set()
 
@@ -121,7 +121,7 @@ class Batcher:
         """Wait for the batch to fill, up to the queue delay counted from the oldest
         request's arrival; True once the channel has ended."""
         queue = self.queue
-        batching = self.runner.config.dynamic_batching
+        batching = self.executor.config.dynamic_batching
         assert batching is not None
         delay = batching.max_queue_delay_microseconds / 1e6
         oldest = queue.oldest_arrival()
@@ -159,7 +159,7 @@ class Batcher:
             # bench/vs_triton/inprocess.py).
             queue.started(batch)
             try:
-                await self.run(self.runner.instances[0], formed)
+                await self.run(self.executor.instances[0], formed)
             finally:
                 idle.release()
             return
@@ -169,15 +169,15 @@ class Batcher:
         except BaseException:
             # Not started: back in the queue, answered with the rest by the caller.
             queue.push_back(batch)
-            self.runner.queued += len(batch)
+            self.executor.queued += len(batch)
             raise
         queue.started(batch)
 
     def _runs_here(self) -> bool:
         """Whether the batcher runs its batch itself: a single instance that runs inline
         (short synchronous work) and is free. Nothing else could run the batch sooner."""
-        instances = self.runner.instances
-        if self.runner.capabilities.is_async or len(instances) != 1:
+        instances = self.executor.instances
+        if self.executor.capabilities.is_async or len(instances) != 1:
             return False
         return instances[0].inline and not instances[0].busy
 
@@ -216,16 +216,16 @@ class Batcher:
             if work.abandoned:
                 continue
             if queue.overdue(work):  # it waited for this instance past its queue policy
-                queue.expire(work, self.runner.model.name)
+                queue.expire(work, self.executor.model.name)
                 work.done.set()
                 continue
             works.append(work)
         if not works:
             self._answer(batch.sequence, [])
             return
-        if self.runner.capabilities.request_lists:  # the model answers each request itself
+        if self.executor.capabilities.request_lists:  # the model answers each request itself
             try:
-                await self.runner.run_listed(instance, works)
+                await self.executor.run_listed(instance, works)
             finally:
                 self._answer(batch.sequence, works)
             return
@@ -241,7 +241,7 @@ class Batcher:
         )
         combined = Work(request=joined, enqueued_ns=min(w.enqueued_ns for w in works))
         try:
-            await self.runner.run_work(instance, combined, inferences=total, members=works)
+            await self.executor.run_work(instance, combined, inferences=total, members=works)
         finally:
             self._deliver(works, rows, combined)
             self._answer(batch.sequence, works)
@@ -249,7 +249,7 @@ class Batcher:
     def _answer(self, sequence: int, works: list[Work]) -> None:
         """Wake the batch's requesters; with preserve_ordering, only once every earlier
         batch has been answered (a later batch that finished first waits)."""
-        batching = self.runner.config.dynamic_batching
+        batching = self.executor.config.dynamic_batching
         if batching is None or not batching.preserve_ordering:
             for work in works:
                 work.done.set()
@@ -267,7 +267,7 @@ class Batcher:
             try:
                 parts = split_outputs(combined.outputs, rows)
             except ValueError as exc:
-                error = self.runner.pool.bad_batch(exc)
+                error = self.executor.pool.bad_batch(exc)
         for index, work in enumerate(works):
             if parts is not None:
                 work.outputs = parts[index]

@@ -347,7 +347,7 @@ class Fusion(FusedSteps):
             self._slow_streak = 0
         return outputs
 
-    def _run_steps(
+    def _run_steps(  # noqa: C901 (every fused request runs it: see docs/architecture.md)
         self, inputs: Tensors, rows: Sequence[int]
     ) -> dict[str, np.ndarray[Any, Any]] | None:
         # Shapes decide everything a step checks (jitted functions: the output shapes and

@@ -223,7 +223,7 @@ class ListedFusion(FusedSteps):
         finally:
             instance.busy = False
         elapsed = time.perf_counter_ns() - started
-        runner.record(instance, 0, timings, elapsed, sum(rows), True, requests, started)
+        runner.executor.record(instance, 0, timings, elapsed, sum(rows), True, requests, started)
         wanted = self.step_outputs[plan.index]
         stats = runner.stats
         for (waiting, _), outcome, count in zip(group, outcomes, rows, strict=True):

@@ -51,7 +51,9 @@ class Runner(Protocol):
 
     stats: StatsRecorder
     checker: TensorChecker
-    output_names: frozenset[str]
+
+    @property
+    def output_names(self) -> frozenset[str]: ...
 
     @property
     def labels(self) -> Mapping[str, Sequence[str]]: ...

@@ -1,28 +1,62 @@
-"""What a model folder's files give besides its config and its code: the fingerprint of a
-version (`revision`: the response cache's key part that changes with any file), the class
-labels of its outputs (`read_labels`) and the initial values of its sequence states
-(`read_initial_states`), each file read inside the folder and bounded in size."""
+"""A model folder of a repository (`RepositoryEntry`), and what its files give besides its
+config and its code: the fingerprint of a version (`revision`: the response cache's key
+part that changes with any file), the class labels of its outputs (`read_labels`) and the
+initial values of its sequence states (`read_initial_states`), each file read inside the
+folder and bounded in size."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import attrs
 import xxhash
 
 from ..protocols import (
     INITIAL_STATE_FOLDER,
     ConfigError,
+    ModelConfig,
     ModelLoadError,
     SequenceTensors,
     format_model_config,
     sequence_problems,
 )
 
-if TYPE_CHECKING:
-    from ._repository import RepositoryEntry
-
+CONFIG_FILE = "config.pbtxt"
+DEFAULT_MODEL_FILE = "model.py"
+DEFAULT_ONNX_FILE = "model.onnx"
 _SKIPPED = ("__pycache__",)
+
+
+@attrs.frozen(kw_only=True)
+class RepositoryEntry:
+    """One model folder of a repository, its config read and its versions chosen."""
+
+    name: str
+    config: ModelConfig
+    path: Path
+    versions: tuple[int, ...]
+    """The versions ``version_policy`` selects, ascending."""
+    config_source: str = ""
+    """Where the config came from, for error messages ("": the folder's ``config.pbtxt``)."""
+    config_file: str = CONFIG_FILE
+    """The folder's config file, relative to it (``configs/<name>.pbtxt`` with
+    ``--model-config-name``)."""
+    auto_complete: bool = True
+    """Whether a python-backend model's ``auto_complete_config`` (an ONNX model's graph)
+    completes the config."""
+    backend_file: Path | None = None
+    """The ``model.py`` of the python-based backend that runs every version (None: the
+    version folders hold the code)."""
+
+    def model_file(self, version: int) -> Path:
+        """The code file of ``version`` (an ONNX model's graph; a folder of that name holds
+        it as ``model.onnx``, as in Triton; a python-based backend's ``model.py``)."""
+        if self.backend_file is not None:
+            return self.backend_file
+        onnx = self.config.is_onnx
+        default = DEFAULT_ONNX_FILE if onnx else DEFAULT_MODEL_FILE
+        path = self.path / str(version) / (self.config.default_model_filename or default)
+        return path / DEFAULT_ONNX_FILE if onnx and path.is_dir() else path
 
 
 def revision(entry: RepositoryEntry, version: int) -> str:

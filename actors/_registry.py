@@ -30,6 +30,7 @@ from ..protocols import (
     CustomMetricFamily,
     InferRequest,
     InferResponse,
+    Model,
     ModelLoadError,
     ModelStatistics,
     Observer,
@@ -40,7 +41,7 @@ from ..protocols import (
     validate_repository,
 )
 from ..telemetry import RequestTracing
-from ._definition import Model, check_model
+from ._definition import check_model
 from ._ensemble import EnsembleRunner
 from ._load_lock import LoadLock
 from ._loaded_models import LoadedModels, Runner
@@ -325,8 +326,7 @@ class ModelRegistry:
         try:
             async with trio.open_nursery() as loader:
                 for model in plain:
-                    runner = ModelRunner(model, self.observer, calls=self._router)
-                    runner.tracing = self.tracing
+                    runner = ModelRunner(model, self.observer, self.tracing, self._router)
                     loader.start_soon(start, runner, runner.serve)
         except BaseExceptionGroup as group:
             await self._close_runners(started)

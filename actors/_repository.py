@@ -28,18 +28,24 @@ from ..protocols import (
     ONNX_PLATFORM,
     OWN_BACKENDS,
     ConfigError,
+    Model,
     ModelConfig,
     VersionPolicy,
     parse_model_config,
 )
-from ._definition import Model, check_model
-from ._model_files import read_initial_states, read_labels, revision
+from ._definition import check_model
+from ._model_files import (
+    CONFIG_FILE,
+    DEFAULT_MODEL_FILE,
+    DEFAULT_ONNX_FILE,
+    RepositoryEntry,
+    read_initial_states,
+    read_labels,
+    revision,
+)
 
-CONFIG_FILE = "config.pbtxt"
-DEFAULT_MODEL_FILE = "model.py"
 TRITON_BACKEND_DIRECTORY = "/opt/tritonserver/backends"
 """Triton's default ``--backend-directory``."""
-DEFAULT_ONNX_FILE = "model.onnx"
 _log = logging.getLogger("orchestrion")
 
 
@@ -90,38 +96,6 @@ class ConfigReading:
 
 AUTO_COMPLETE = ConfigReading()
 """Triton's defaults: configs are auto-completed, and read from ``config.pbtxt``."""
-
-
-@attrs.frozen(kw_only=True)
-class RepositoryEntry:
-    """One model folder of a repository, its config read and its versions chosen."""
-
-    name: str
-    config: ModelConfig
-    path: Path
-    versions: tuple[int, ...]
-    """The versions ``version_policy`` selects, ascending."""
-    config_source: str = ""
-    """Where the config came from, for error messages ("": the folder's ``config.pbtxt``)."""
-    config_file: str = CONFIG_FILE
-    """The folder's config file, relative to it (``configs/<name>.pbtxt`` with
-    ``--model-config-name``)."""
-    auto_complete: bool = True
-    """Whether a python-backend model's ``auto_complete_config`` (an ONNX model's graph)
-    completes the config."""
-    backend_file: Path | None = None
-    """The ``model.py`` of the python-based backend that runs every version (None: the
-    version folders hold the code)."""
-
-    def model_file(self, version: int) -> Path:
-        """The code file of ``version`` (an ONNX model's graph; a folder of that name holds
-        it as ``model.onnx``, as in Triton; a python-based backend's ``model.py``)."""
-        if self.backend_file is not None:
-            return self.backend_file
-        onnx = self.config.is_onnx
-        default = DEFAULT_ONNX_FILE if onnx else DEFAULT_MODEL_FILE
-        path = self.path / str(version) / (self.config.default_model_filename or default)
-        return path / DEFAULT_ONNX_FILE if onnx and path.is_dir() else path
 
 
 def _version_folders(path: Path) -> list[int]:

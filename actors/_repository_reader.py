@@ -16,12 +16,11 @@ from pathlib import Path
 
 import trio
 
-from ..protocols import ConfigError, ModelLoadError
-from ._definition import Model
+from ..protocols import ConfigError, Model, ModelLoadError
+from ._model_files import RepositoryEntry
 from ._repository import (
     AUTO_COMPLETE,
     ConfigReading,
-    RepositoryEntry,
     load_model_code,
     scan_model_folder,
     scan_repository,

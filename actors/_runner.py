@@ -26,9 +26,9 @@ import trio
 
 from ..backends import Backend, Capabilities, ServerCalls, backend_for, split_outputs
 from ..protocols import (
-    InferenceError,
     InferRequest,
     InferResponse,
+    Model,
     ModelConfig,
     ModelStatistics,
     Observer,
@@ -43,7 +43,7 @@ from ..protocols import (
 from ..telemetry import RequestTracing
 from ._batch_queue import BatchQueue, batch_size, rows_of
 from ._batcher import Batcher
-from ._definition import Model
+from ._executor import Executor
 from ._instances import Instance, Instances, Timings, Work
 from ._sequence_batcher import SequenceBatcher
 from ._sequences import Sequences
@@ -62,17 +62,9 @@ class ModelRunner:
     """Records a ``compute`` span per execution under the request's span."""
     calls: ServerCalls | None = None
     """What the model's code may call on the server (BLS); None: nothing."""
-    stats: StatsRecorder = attrs.field(init=False)
-    backend: Backend = attrs.field(init=False)
-    """How the model's code runs (`orchestrion.backends`)."""
-    pool: Instances = attrs.field(init=False)
-    """The model's instances, and one execution on one of them."""
+    executor: Executor = attrs.field(init=False)
+    """Runs and counts the executions (the batcher, sequences and streams share it)."""
     checker: TensorChecker = attrs.field(init=False)
-    output_names: frozenset[str] = attrs.field(init=False)
-    queued: int = attrs.field(init=False, default=0)
-    """Requests on the model's channel or in its batching queue, not yet running."""
-    closing: bool = attrs.field(init=False, default=False)
-    """`close` was called: no new work is taken."""
     batcher: Batcher | None = attrs.field(init=False, default=None)
     """The dynamic batcher of a model that batches (None: one request per execution)."""
     sequences: Sequences | None = attrs.field(init=False, default=None)
@@ -89,27 +81,63 @@ class ModelRunner:
 
     def __attrs_post_init__(self) -> None:
         config = self.model.config
-        self.stats = StatsRecorder(self.model.name, self.model.version)
-        self.backend = backend_for(self.model, self.calls)
+        stats = StatsRecorder(self.model.name, self.model.version)
+        backend = backend_for(self.model, self.calls)
         self.checker = TensorChecker(config)
         # Outputs are checked as the model gives them: its state outputs among them.
-        facing, shapes = model_facing(config), not self.capabilities.output_shapes_as_given
+        facing, shapes = model_facing(config), not backend.capabilities.output_shapes_as_given
         outputs = self.checker if facing is config and shapes else TensorChecker(facing, shapes)
-        self.pool = Instances(self.backend, self.model.name, self.model.version, outputs)
-        self.output_names = frozenset(t.name for t in config.output)
+        pool = Instances(backend, self.model.name, self.model.version, outputs)
+        self.executor = Executor(self.model, backend, pool, stats, self.observer, self.tracing)
         self._send, self._receive = trio.open_memory_channel(math.inf)
-        self.streams = Streams(self)
+        self.streams = Streams(self.executor)
         if self.capabilities.sequence_tensors:
-            self.sequence_batcher = SequenceBatcher.of(self, dict(self.model.initial_states))
+            self.sequence_batcher = SequenceBatcher.of(
+                self.executor, dict(self.model.initial_states)
+            )
         elif self.capabilities.stateful:
             self.sequences = Sequences.of(config, self.backend.initial_state, self._submit)
         if self.capabilities.batching and config.dynamic_batching:
-            self.batcher = Batcher(self, BatchQueue(config), self.backend.padded_sizes)
+            self.batcher = Batcher(self.executor, BatchQueue(config), self.backend.padded_sizes)
 
     @property
     def config(self) -> ModelConfig:
         """The model's config."""
         return self.model.config
+
+    @property
+    def backend(self) -> Backend:
+        """How the model's code runs (`orchestrion.backends`)."""
+        return self.executor.backend
+
+    @property
+    def pool(self) -> Instances:
+        """The model's instances, and one execution on one of them."""
+        return self.executor.pool
+
+    @property
+    def stats(self) -> StatsRecorder:
+        """This version's statistics (a reload hands the old version's on)."""
+        return self.executor.stats
+
+    @stats.setter
+    def stats(self, recorder: StatsRecorder) -> None:
+        self.executor.stats = recorder
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for an instance, not yet running."""
+        return self.executor.queued
+
+    @property
+    def closing(self) -> bool:
+        """`close` was called: no new work is taken."""
+        return self.executor.closing
+
+    @property
+    def output_names(self) -> frozenset[str]:
+        """The outputs the config declares."""
+        return self.executor.output_names
 
     @property
     def version(self) -> int:
@@ -196,7 +224,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop accepting work; instances finish what is queued, then end. Streams still
         open end with `ServerClosedError` (one lasts while its caller reads: maybe never)."""
-        self.closing = True
+        self.executor.closing = True
         self._send.close()  # open streams end with ServerClosedError at their next step
         if self.sequence_batcher is not None:
             self.sequence_batcher.close()
@@ -204,39 +232,6 @@ class ModelRunner:
             self._sweeper.cancel()
 
     # -- running ---------------------------------------------------------------------------
-
-    def record(
-        self,
-        instance: Instance,
-        queue_ns: int,
-        timings: Timings | None,
-        elapsed: int,
-        batch: int,
-        learn: bool = True,
-        requests: list[InferRequest] | None = None,
-        started: int = 0,
-    ) -> None:
-        """Count one execution (``timings`` None: it failed) in the statistics, the
-        observer and the requests' traces; let the instance learn from its duration."""
-        if learn and not self.capabilities.is_async:
-            # The execution itself, not the trip to a worker thread and back.
-            instance.learn(sum(timings) if timings is not None else elapsed)
-        count = len(requests) if requests else 1
-        if timings is not None:
-            self.stats.execution_finished(queue_ns, *timings, requests=count, batch_size=batch)
-        else:
-            self.stats.execution_finished(queue_ns, 0, elapsed, 0, count, batch)
-        if self.observer is not None:
-            self.observer.execution_finished(
-                self.model.name, self.model.version, batch, queue_ns, elapsed
-            )
-        if self.tracing is not None and requests:
-            for request in requests:
-                if self.tracing.traced(request):
-                    attributes = {"orchestrion.batch_size": batch}
-                    self.tracing.record(
-                        "compute", request, started, started + elapsed, attributes, timings is None
-                    )
 
     async def _serve_instance(
         self,
@@ -249,9 +244,9 @@ class ModelRunner:
             task_status.started()
             try:
                 async for work in receive:
-                    self.queued -= 1
+                    self.executor.queued -= 1
                     if not work.abandoned:
-                        await self.run_work(instance, work)
+                        await self.executor.run_work(instance, work)
             finally:
                 # Stopped from outside: answer what is still queued (no caller waits forever).
                 while True:
@@ -259,94 +254,9 @@ class ModelRunner:
                         work = receive.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                         break
-                    self.queued -= 1
+                    self.executor.queued -= 1
                     work.error = ServerClosedError("the server is shutting down")
                     work.done.set()
-
-    async def run_work(
-        self,
-        instance: Instance,
-        work: Work,
-        inferences: int | None = None,
-        members: list[Work] | None = None,
-    ) -> None:
-        """Run one work item (a request, or a batch's joined requests: ``members``) on
-        ``instance``: inline, in a worker thread or awaited, as the instance runs now."""
-        instance.busy = True
-        started = time.perf_counter_ns()
-        result: tuple[Tensors, Timings] | None = None
-        signature = self.backend.signature(work.request.inputs)
-        compiling = not instance.compiled_for(signature)
-        pool = self.pool
-        try:
-            with trio.CancelScope() as work.scope:
-                if self.capabilities.is_async:
-                    result = await pool.run_async(instance, work.request, work)
-                elif instance.inline and not compiling:
-                    await pool.portal()
-                    result = pool.run_inline(instance, work.request, work)
-                else:
-                    result = await trio.to_thread.run_sync(
-                        pool.run_sync, instance, work.request, work
-                    )
-        except InferenceError as exc:
-            work.error = exc
-        except Exception as exc:  # a bug of ours must fail this request, not the server
-            work.error = pool.error(exc)
-            work.error.__cause__ = exc
-        except BaseException:
-            work.error = ServerClosedError("the server is shutting down")
-            work.done.set()
-            raise
-        finally:
-            work.scope = None
-            instance.busy = False
-        if compiling and result is not None:
-            instance.loaded.compiled.add(signature)
-        if result is not None:
-            work.outputs = result[0]
-        batch = inferences or batch_size(self.model.config.max_batch_size, work.request.inputs)
-        elapsed = time.perf_counter_ns() - started
-        if members is None:
-            queue_ns = started - work.enqueued_ns
-            requests = [work.request]
-        else:  # a batch: each request's own wait, and a compute span under each request
-            queue_ns = sum(started - m.enqueued_ns for m in members)
-            requests = [m.request for m in members]
-        timings = result[1] if result is not None else None
-        # A compilation says nothing about how long executions take.
-        self.record(instance, queue_ns, timings, elapsed, batch, not compiling, requests, started)
-        work.done.set()
-
-    async def run_listed(self, instance: Instance, works: list[Work]) -> None:
-        """Run a batch's requests as one execution of a backend that answers each request
-        itself (`Capabilities.request_lists`): each work gets its outputs or its own error."""
-        instance.busy = True
-        started = time.perf_counter_ns()
-        requests = [w.request for w in works]
-        timings: Timings | None = None
-        outcomes: list[Tensors | InferenceError]
-        try:
-            outcomes, timings = await self.pool.run_listed(instance, requests)
-        except InferenceError as exc:
-            outcomes = [exc] * len(works)
-        except BaseException:
-            for work in works:
-                work.error = ServerClosedError("the server is shutting down")
-            raise
-        finally:
-            instance.busy = False
-        for work, outcome in zip(works, outcomes, strict=True):
-            if isinstance(outcome, InferenceError):
-                work.error = outcome
-            else:
-                work.outputs = outcome
-        max_batch = self.model.config.max_batch_size
-        batch = sum(batch_size(max_batch, r.inputs) for r in requests)
-        queue_ns = sum(started - w.enqueued_ns for w in works)
-        elapsed = time.perf_counter_ns() - started
-        # Its own time (timed in its thread) decides inline or thread: short comes inline.
-        self.record(instance, queue_ns, timings, elapsed, batch, True, requests, started)
 
     # -- fast paths ------------------------------------------------------------------------
 
@@ -416,7 +326,7 @@ class ModelRunner:
             batch = batch_size(self.model.config.max_batch_size, request.inputs)
             elapsed = time.perf_counter_ns() - started
             timings = result[1] if result is not None else None
-            self.record(instance, 0, timings, elapsed, batch, True, [request], started)
+            self.executor.record(instance, 0, timings, elapsed, batch, True, [request], started)
         outputs = result[0]
         if self.batcher is not None and not self.capabilities.request_lists:
             # As the batcher does: the request's own rows, and one row per input row.
@@ -461,7 +371,7 @@ class ModelRunner:
             if queue is not None:
                 queue.withdraw(work)
             raise ServerClosedError(f"model '{self.model.name}' is being unloaded") from None
-        self.queued += 1
+        self.executor.queued += 1
         try:
             await work.done.wait()
         except BaseException:

@@ -44,7 +44,7 @@ from ._instances import Instance, Work
 from ._sequence_slots import Lane, Sequence, SequenceSlots
 
 if TYPE_CHECKING:
-    from ._runner import ModelRunner
+    from ._executor import Executor
 
 
 @attrs.define(eq=False, slots=True)
@@ -62,7 +62,7 @@ class _Row:
 class SequenceBatcher:
     """A stateful model's sequence batcher (see the module docstring)."""
 
-    runner: ModelRunner
+    executor: Executor
     tensors: SequenceTensors
     start_states: dict[str, Any]
     """Each state input's value at a sequence's start (with its batch dimension)."""
@@ -73,10 +73,10 @@ class SequenceBatcher:
     _closed: trio.Event = attrs.field(factory=trio.Event)
 
     @classmethod
-    def of(cls, runner: ModelRunner, initial_data: dict[str, bytes]) -> SequenceBatcher:
-        """The sequence batcher of ``runner``'s model; ``initial_data``: the bytes of each
+    def of(cls, executor: Executor, initial_data: dict[str, bytes]) -> SequenceBatcher:
+        """The sequence batcher of ``executor``'s model; ``initial_data``: the bytes of each
         state's ``initial_state`` ``data_file`` (by state input name)."""
-        config = runner.config
+        config = executor.config
         assert config.sequence_batching is not None
         tensors = SequenceTensors.of(config)
         lead = (1,) if config.max_batch_size > 0 else ()
@@ -87,11 +87,11 @@ class SequenceBatcher:
             for s in tensors.states
         }
         idle_us = config.sequence_batching.max_sequence_idle_microseconds
-        return cls(runner, tensors, start, (idle_us or 1_000_000) / 1e6)  # Triton's: 1 s
+        return cls(executor, tensors, start, (idle_us or 1_000_000) / 1e6)  # Triton's: 1 s
 
     @property
     def _config(self) -> ModelConfig:
-        return self.runner.config
+        return self.executor.config
 
     # -- requests --------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class SequenceBatcher:
         work = Work(request=request, enqueued_ns=time.perf_counter_ns())
         sequence.queue.append(work)
         sequence.last_used = trio.current_time()
-        self.runner.queued += 1
+        self.executor.queued += 1
         if sequence.slot is not None:
             sequence.slot.lane.poke()
         try:
@@ -178,7 +178,7 @@ class SequenceBatcher:
 
     def _drop(self, work: Work, error: BaseException | None = None) -> None:
         """Answer a work that will not run (its caller left, or the server stops)."""
-        self.runner.queued -= 1
+        self.executor.queued -= 1
         if error is not None:
             work.error = error
         work.done.set()
@@ -256,7 +256,7 @@ class SequenceBatcher:
             rows = list(sorted(ready, key=lambda r: r.work.enqueued_ns)[:most])
         while rows and rows[-1] is None:  # Direct: up to the highest ready slot
             rows.pop()
-        if self.runner.capabilities.request_lists:
+        if self.executor.capabilities.request_lists:
             rows = [row for row in rows if row is not None]  # a list has no empty rows
         for row in rows:
             if row is not None:
@@ -269,7 +269,7 @@ class SequenceBatcher:
         sequence.queue.popleft()
         sequence.running = True
         sequence.ended = sequence.ended or work.request.sequence_end
-        self.runner.queued -= 1
+        self.executor.queued -= 1
         try:
             row.request = self._prepared(sequence, work.request)
         except InvalidRequestError as exc:
@@ -337,7 +337,7 @@ class SequenceBatcher:
         taken = [row for row in rows if row is not None]
         runnable = [row for row in taken if row.request is not None]
         try:
-            if runnable and self.runner.capabilities.request_lists:
+            if runnable and self.executor.capabilities.request_lists:
                 await self._run_listed(lane, runnable)
             elif runnable:
                 await self._run_joined(lane, rows)
@@ -359,7 +359,7 @@ class SequenceBatcher:
             assert row.request is not None  # only prepared rows are run
             works.append(Work(request=row.request, enqueued_ns=row.work.enqueued_ns))
         try:
-            await self.runner.run_listed(lane.instance, works)
+            await self.executor.run_listed(lane.instance, works)
         finally:
             for row, ran in zip(rows, works, strict=True):
                 self._give(row, ran.outputs, ran.error)
@@ -384,7 +384,7 @@ class SequenceBatcher:
             combined = Work(request=joined, enqueued_ns=min(r.work.enqueued_ns for r in runnable))
         members = [row.work for row in runnable]
         try:
-            await self.runner.run_work(lane.instance, combined, len(members), members)
+            await self.executor.run_work(lane.instance, combined, len(members), members)
         finally:
             parts = self._parts(combined, len(requests))
             for at, row in enumerate(rows):
@@ -403,7 +403,7 @@ class SequenceBatcher:
         try:
             return split_outputs(combined.outputs, [1] * count)
         except ValueError as exc:
-            return self.runner.pool.bad_batch(exc)
+            return self.executor.pool.bad_batch(exc)
 
     def _give(self, row: _Row, outputs: Tensors | None, error: BaseException | None) -> None:
         """Give ``row``'s work its outputs (less the state outputs the client does not see)
@@ -417,9 +417,9 @@ class SequenceBatcher:
             missing = [s.output_name for s in states if s.output_name not in outputs]
             if missing:
                 problem = f"it returned no state output {', '.join(map(repr, missing))}"
-                work.error = self.runner.pool.error(ValueError(problem))
+                work.error = self.executor.pool.error(ValueError(problem))
                 return
             row.sequence.state = {s.input_name: np.asarray(outputs[s.output_name]) for s in states}
-            shown = self.runner.output_names
+            shown = self.executor.output_names
             outputs = {k: v for k, v in outputs.items() if k in shown}
         work.outputs = outputs

@@ -24,7 +24,7 @@ import trio
 from ..protocols import InferenceError, InferRequest, ServerClosedError, Tensors
 
 if TYPE_CHECKING:
-    from ._runner import ModelRunner
+    from ._executor import Executor
 
 _END = object()
 """What ``next`` returns when a decoupled model's generator is exhausted."""
@@ -34,7 +34,7 @@ _END = object()
 class Streams:
     """A decoupled model's compute slots (one per instance), held per generator step."""
 
-    runner: ModelRunner
+    executor: Executor
     slots: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(1))
     _next_instance: int = 0
 
@@ -43,7 +43,7 @@ class Streams:
         self.slots = trio.Semaphore(instances)
 
     def _unloading(self) -> ServerClosedError:
-        return ServerClosedError(f"model '{self.runner.model.name}' is being unloaded")
+        return ServerClosedError(f"model '{self.executor.model.name}' is being unloaded")
 
     async def stream(self, request: InferRequest) -> AsyncGenerator[Tensors, None]:
         """The outputs of each response the model yields for ``request``, as they come.
@@ -52,17 +52,17 @@ class Streams:
             InferenceError: ``execute`` raised (after the responses it yielded before).
             ServerClosedError: the model is being unloaded (also mid-stream).
         """
-        runner = self.runner
-        if runner.closing:
+        executor = self.executor
+        if executor.closing:
             raise self._unloading()
-        instances = runner.instances
+        instances = executor.instances
         instance = instances[self._next_instance % len(instances)]
         self._next_instance += 1
-        pool, backend = runner.pool, runner.backend
+        pool, backend = executor.pool, executor.backend
         started = time.perf_counter_ns()
         error: BaseException | None = None
         generator: Any = None
-        slots: Any = contextlib.nullcontext() if runner.capabilities.pushes else self.slots
+        slots: Any = contextlib.nullcontext() if executor.capabilities.pushes else self.slots
         try:
             async with slots:
                 args = backend.arguments(request, None, instance.loaded)
@@ -70,7 +70,7 @@ class Streams:
             try:
                 step: Callable[[], Any] = _stepper(generator)
                 while True:
-                    if runner.closing:
+                    if executor.closing:
                         raise self._unloading()
                     async with slots:
                         raw = await step()
@@ -92,7 +92,7 @@ class Streams:
             if generator is not None:  # it ran: one execution (a stream gave up before not)
                 elapsed = time.perf_counter_ns() - started
                 timings = None if error is not None else (0, elapsed, 0)  # an error's span
-                runner.record(instance, 0, timings, elapsed, 1, False, [request], started)
+                executor.record(instance, 0, timings, elapsed, 1, False, [request], started)
 
 
 def _stepper(generator: Any) -> Callable[[], Any]:

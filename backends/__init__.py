@@ -16,11 +16,14 @@ from ._base import Backend as Backend
 from ._base import Capabilities as Capabilities
 from ._base import LoadedInstance as LoadedInstance
 from ._base import ServerCalls as ServerCalls
-from ._base import backend_for as backend_for
-from ._base import model_problems as model_problems
 from ._function import host_tensors as host_tensors
 from ._function import import_code_file as import_code_file
 from ._function import response_on_host as response_on_host
+from ._kinds import KINDS as KINDS
+from ._kinds import BackendKind as BackendKind
+from ._kinds import backend_for as backend_for
+from ._kinds import kind_of as kind_of
+from ._kinds import model_problems as model_problems
 from ._onnx import complete_onnx_config as complete_onnx_config
 from ._rows import concatenate as concatenate
 from ._rows import join_inputs as join_inputs

@@ -25,7 +25,7 @@ import trio
 from ..protocols import CustomMetricFamily, InferRequest, InferResponse, ModelConfig, Tensors
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    pass
 
 
 @attrs.frozen(kw_only=True)
@@ -218,41 +218,3 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (a hook: most backends hold nothing to release)
         """Release what `load` acquired (the runner calls it once its instances ended)."""
-
-
-def backend_for(model: Model, calls: ServerCalls | None = None) -> Backend:
-    """The backend that runs ``model``'s code (a model, not an ensemble); ``calls``: what its
-    code may call on the server (None: nothing, as in a model tested alone)."""
-    from ._jax import JaxBackend
-    from ._onnx import OnnxBackend
-    from ._python import PythonBackend
-    from ._triton_python import TritonPythonBackend
-
-    if model.triton_model is not None:
-        return TritonPythonBackend(model, calls)
-    if model.onnx is not None:
-        return OnnxBackend(model)
-    return JaxBackend(model) if model.jit else PythonBackend(model)
-
-
-def model_problems(model: Model, where: str, in_config: str) -> list[str]:
-    """The ways ``model``'s code cannot run on its backend (empty when it can): ``where``
-    names the code, ``in_config`` the config, in the messages."""
-    from ._jax import jax_problems
-    from ._onnx import onnx_problems
-    from ._python import python_problems
-    from ._triton_python import triton_problems
-
-    if model.triton_model is not None:
-        return triton_problems(model, where, in_config)
-    rescheduled: list[str] = []
-    if model.config.iterative:
-        rescheduled.append(
-            f"{in_config}: sequence_batching iterative_sequence is for python-backend models "
-            "(a TritonPythonModel reschedules its requests); this model cannot"
-        )
-    if model.onnx is not None:
-        return rescheduled + onnx_problems(model, where, in_config)
-    if model.jit:
-        return rescheduled + jax_problems(model, where, in_config)
-    return rescheduled + python_problems(model, where, in_config)

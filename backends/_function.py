@@ -34,7 +34,7 @@ from ..protocols import (
 from ._base import Backend, LoadedInstance
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    from ..protocols import Model
 
 
 _module_ids = itertools.count()

@@ -38,7 +38,7 @@ from ._base import Capabilities, LoadedInstance
 from ._function import FunctionBackend, placement_problems, takes_request
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    from ..protocols import Model
 
 _WIDE = (DataType.INT64, DataType.UINT64, DataType.FP64)
 

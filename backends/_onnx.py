@@ -61,7 +61,7 @@ from ._onnx_config import (
 )
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    from ..protocols import Model
 
 _log = logging.getLogger("orchestrion")
 

@@ -22,7 +22,7 @@ from ._base import Capabilities, LoadedInstance
 from ._function import FunctionBackend, host_outputs, on_host, placement_problems
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    from ..protocols import Model
 
 
 def _copied(state: Any) -> Any:

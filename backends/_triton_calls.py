@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 import greenback
@@ -57,10 +57,19 @@ from ._triton_api import (
 )
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
-    from ._triton_requests import InferenceRequest
+    from ..protocols import Model
 
 T = TypeVar("T")
+
+
+class Callee(Protocol):
+    """What a BLS call needs of its request (``_triton_requests.InferenceRequest``)."""
+
+    def as_request(self, parent: InferRequest | None) -> InferRequest:
+        """The request as the server takes it (``parent``: the request being executed)."""
+
+    def timeout(self) -> int:
+        """Its timeout in microseconds (0: none)."""
 
 
 def _on_the_event_loop() -> bool:
@@ -217,7 +226,7 @@ class Execution:
     def _server(self, call: str) -> ServerCalls:
         return server_calls(self.calls, self.model_name, call)
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def infer(self, request: Callee) -> InferenceResponse:
         """One BLS call; its failure is the response's error, as Triton gives it."""
         calls = self._server("InferenceRequest.exec")
         try:
@@ -232,7 +241,7 @@ class Execution:
         except Exception as exc:
             return error_response(exc)
 
-    async def open_stream(self, request: InferenceRequest) -> ResponseIterator:
+    async def open_stream(self, request: Callee) -> ResponseIterator:
         """A decoupled BLS call: its responses come through the returned iterator."""
         calls = self._server("InferenceRequest.exec(decoupled=True)")
         cancellation = Cancellation()
@@ -243,7 +252,7 @@ class Execution:
         self.nursery.start_soon(_pump, calls, wire, send, scope, self._pumps)
         return ResponseIterator(self, receive, cancellation)
 
-    async def open_stream_answered(self, request: InferenceRequest) -> ResponseIterator:
+    async def open_stream_answered(self, request: Callee) -> ResponseIterator:
         """`open_stream`, given once the first response has come (or the call has ended),
         as Triton's ``async_exec(decoupled=True)``: an async caller that then iterates does
         not hold its asyncio loop waiting for that first one."""

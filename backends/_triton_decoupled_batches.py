@@ -26,7 +26,7 @@ from ._triton_api import TritonModelException
 from ._triton_requests import InferenceRequest
 
 if TYPE_CHECKING:
-    from ._triton_python import TritonPythonBackend
+    from ._triton_host import TritonHost
 
 
 @attrs.define(eq=False)
@@ -48,7 +48,7 @@ def _rows(received: InferenceRequest) -> int:
 class DecoupledBatches:
     """The open batch of each instance of one decoupled model with dynamic batching."""
 
-    def __init__(self, backend: TritonPythonBackend) -> None:
+    def __init__(self, backend: TritonHost) -> None:
         config = backend.config
         assert config.dynamic_batching is not None
         self._backend = backend
@@ -59,7 +59,7 @@ class DecoupledBatches:
         self._open: dict[int, _Batch] = {}
 
     @classmethod
-    def of(cls, backend: TritonPythonBackend) -> DecoupledBatches | None:
+    def of(cls, backend: TritonHost) -> DecoupledBatches | None:
         """The batches of ``backend``'s model, or None where its requests run alone (not
         decoupled, no dynamic batching, no batch dimension, or a stateful model)."""
         config = backend.config
@@ -109,7 +109,7 @@ class DecoupledBatches:
                     "the execute function must return None."
                 )
         except Exception as exc:
-            batch.failure = str(backend._failed(instance, exc))  # logged once, for the call
+            batch.failure = str(backend.failed(instance, exc))  # logged once, for the call
         finally:
             self._close(instance, batch)
             batch.done.set()

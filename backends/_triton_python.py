@@ -48,7 +48,7 @@ from ..protocols import (
 )
 from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
 from ._function import devices, on_host, placement_problems
-from ._triton_answers import Answer, Declared, PushedStream, never
+from ._triton_answers import Answer, Declared, never
 from ._triton_api import InferenceResponse, TritonModelException
 from ._triton_calls import (
     Execution,
@@ -64,9 +64,10 @@ from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
 from ._triton_requests import InferenceRequest, InferenceResponseSender, ModelSetup, setting_up
 from ._triton_rescheduling import not_reschedulable, run_iterations
+from ._triton_streams import PushedStream
 
 if TYPE_CHECKING:
-    from ..actors._definition import Model
+    from ..protocols import Model
 
 _log = logging.getLogger("orchestrion")
 
@@ -275,7 +276,7 @@ class TritonPythonBackend(Backend):
         declared = self.declared
         answers = [Answer(self._token, declared) for _ in requests]
         received = [
-            self._received(r, InferenceResponseSender(a.deliver, never))
+            self.received(r, InferenceResponseSender(a.deliver, never))
             for r, a in zip(requests, answers, strict=True)
         ]
         return answers, received
@@ -296,7 +297,7 @@ class TritonPythonBackend(Backend):
         try:
             result = await self.call_async(instance, received, requests[0])
         except Exception as exc:
-            failure = self._failed(instance, exc)  # a response already sent stays the answer
+            failure = self.failed(instance, exc)  # a response already sent stays the answer
             return [failure if a.response is None else a.outcome() for a in answers]
         if any(r.rescheduled for r in received):
             return [not_reschedulable(self.model.name, async_execute=True)] * len(requests)
@@ -304,13 +305,13 @@ class TritonPythonBackend(Backend):
             for answer in answers:
                 await answer.trio_done.wait()
             return [a.outcome() for a in answers]
-        outcomes = self._returned(result, answers)
+        outcomes = self.returned(result, answers)
         for each in outcomes:
             if isinstance(each, Answer):  # its response comes through its sender
                 await each.trio_done.wait()
         return [o.outcome() if isinstance(o, Answer) else o for o in outcomes]
 
-    def _failed(self, instance: LoadedInstance, exc: Exception) -> InferenceError:
+    def failed(self, instance: LoadedInstance, exc: Exception) -> InferenceError:
         """``execute`` raised: the error of each of its requests, in Triton's words (and in
         the log, with the traceback)."""
         message = (
@@ -322,7 +323,7 @@ class TritonPythonBackend(Backend):
         failure.__cause__ = exc
         return failure
 
-    def _returned(
+    def returned(
         self, result: Any, answers: Sequence[Answer]
     ) -> list[Mapping[str, Any] | Exception | Answer]:
         """Per request: its outputs or error, or its `Answer` where the list holds None."""
@@ -351,7 +352,7 @@ class TritonPythonBackend(Backend):
                 )
         return outcomes
 
-    def _received(self, request: InferRequest, sender: InferenceResponseSender) -> InferenceRequest:
+    def received(self, request: InferRequest, sender: InferenceResponseSender) -> InferenceRequest:
         """``request`` as the model's code receives it."""
         config = self._facing
         inputs: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from ._triton_calls import cancelled_here
 from ._triton_requests import InferenceRequest
 
 if TYPE_CHECKING:
-    from ._triton_python import TritonPythonBackend
+    from ._triton_host import TritonHost
 
 Outcome = Mapping[str, Any] | Exception
 
@@ -47,7 +47,7 @@ def not_reschedulable(model_name: str, *, async_execute: bool = False) -> Triton
 
 
 def run_iterations(
-    backend: TritonPythonBackend,
+    backend: TritonHost,
     instance: LoadedInstance,
     requests: list[InferRequest],
     answers: Sequence[Answer],
@@ -64,7 +64,7 @@ def run_iterations(
         try:
             result = backend.call(instance, batch, requests[pending[0]])
         except Exception as exc:
-            failure = backend._failed(instance, exc)
+            failure = backend.failed(instance, exc)
             for i in pending:  # a response already sent stays the answer (Triton's)
                 outcomes[i] = failure if answers[i].response is None else answers[i].outcome()
             break
@@ -89,7 +89,7 @@ def run_iterations(
 
 
 def _settle(
-    backend: TritonPythonBackend,
+    backend: TritonHost,
     result: Any,
     ran: list[int],
     again: list[int],
@@ -113,9 +113,9 @@ def _settle(
                 )
                 again.remove(i)
         done_items = [result[p] for p, i in enumerate(ran) if i not in again]
-        settled = backend._returned(done_items, [answers[i] for i in done])
+        settled = backend.returned(done_items, [answers[i] for i in done])
     else:  # a malformed result: every request of the call fails, the rescheduled too
-        failed = backend._returned(result, [answers[i] for i in ran])
+        failed = backend.returned(result, [answers[i] for i in ran])
         for i, outcome in zip(ran, failed, strict=True):
             outcomes[i] = outcome.wait() if isinstance(outcome, Answer) else outcome
         again.clear()

@@ -171,26 +171,18 @@ async def _drive(
 
     streaming = server.is_decoupled(example.model)
 
-    async def one(index: int) -> None:
-        if not streaming:
-            response = await server.infer(example.model, inputs[index], request_id=str(index))
-            if example.check is not None:
-                example.check(inputs[index], response.outputs)
-            return
-        stream = server.stream_infer(example.model, inputs[index], request_id=str(index))
-        async with contextlib.aclosing(stream) as responses:
-            async for response in responses:
-                counts["responses"] += 1
-                for s in server.step_statistics(example.model):
-                    peaks[s.step] = max(peaks.get(s.step, 0), s.in_flight + s.queued)
-                if example.check is not None:
-                    example.check(inputs[index], response.outputs)
-
     async def client() -> None:
         for index in next_index:
             start = time.perf_counter()
             try:
-                await one(index)
+                if streaming:
+                    await _stream_one(server, example, inputs[index], str(index), counts, peaks)
+                else:
+                    response = await server.infer(
+                        example.model, inputs[index], request_id=str(index)
+                    )
+                    if example.check is not None:
+                        example.check(inputs[index], response.outputs)
             except (OrchestrionError, AssertionError) as exc:
                 errors.append(f"request {index}: {type(exc).__name__}: {exc}")
             else:
@@ -212,6 +204,26 @@ async def _drive(
             nursery.cancel_scope.cancel()
         progress.refresh()
     return latencies, errors, time.perf_counter() - started
+
+
+async def _stream_one(
+    server: AsyncServer,
+    example: Example,
+    inputs: Mapping[str, Any],
+    request_id: str,
+    counts: dict[str, int],
+    peaks: dict[int, int],
+) -> None:
+    """One request of a decoupled example: its responses counted and checked, the peak of
+    each step's intermediates in flight noted."""
+    stream = server.stream_infer(example.model, inputs, request_id=request_id)
+    async with contextlib.aclosing(stream) as responses:
+        async for response in responses:
+            counts["responses"] += 1
+            for s in server.step_statistics(example.model):
+                peaks[s.step] = max(peaks.get(s.step, 0), s.in_flight + s.queued)
+            if example.check is not None:
+                example.check(inputs, response.outputs)
 
 
 def _fingerprint(inputs: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -464,7 +464,7 @@ class HttpServer:
                 raise _TooSlow
             connection.receive_data(data)
 
-    async def _read_request(
+    async def _read_request(  # noqa: C901 (per request: see docs/architecture.md)
         self, stream: trio.SocketStream, connection: h11.Connection, *, first: bool
     ) -> HttpRequest | None:
         start = trio.current_time()

@@ -22,6 +22,7 @@ import functools
 import gc
 import ipaddress
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,9 +58,11 @@ from ._native_cache import DEFAULT_TIER_SIZE
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 from ._uploads import UploadFolders, open_upload_folders
-from ._workers import stop_when_orphaned, worker_refusal
 
 _log = logging.getLogger("orchestrion")
+ORPHAN_CHECK = 1.0
+"""How often a worker of ``serve --workers`` checks that its supervisor is still there
+(seconds)."""
 
 LOOPBACK = "127.0.0.1"
 """The address every endpoint binds unless told otherwise (Triton binds every address)."""
@@ -502,3 +505,24 @@ def _version() -> str:
     from .. import __version__
 
     return __version__
+
+
+# -- as a worker of serve --workers (its supervisor: _workers.py) ------------------------
+
+
+def worker_refusal(what: str, options: ServeOptions) -> str:
+    """Why a worker of ``serve --workers`` refuses ``what``."""
+    return (
+        f"{what} is not available with --workers {options.worker_of}: each worker process "
+        "has its own, and a request reaches only the worker its connection landed on "
+        "(start the server with --workers 1 to use it)"
+    )
+
+
+async def stop_when_orphaned(shutdown: Shutdown) -> None:
+    """Request ``shutdown`` once this process's parent (the supervisor) has gone away."""
+    parent = os.getppid()
+    while os.getppid() == parent:  # noqa: ASYNC110 (no event tells a process its parent died)
+        await trio.sleep(ORPHAN_CHECK)
+    _log.error("the supervisor of this worker (pid %d) has gone away: stopping", parent)
+    shutdown.request()

@@ -24,7 +24,7 @@ one worker); a port given as 0 is chosen once, by the supervisor, for all of the
   gracefully (``--exit-timeout-secs``); one still running `KILL_AFTER` seconds after that is
   killed. The workers run in sessions of their own, so a terminal's Ctrl-C reaches them
   only through the supervisor, once. A worker whose supervisor disappears (killed) stops
-  by itself (`stop_when_orphaned`).
+  by itself (`_serve.stop_when_orphaned`).
 - **What a worker refuses.** Model control through the API and client shared memory: each
   would reach the one worker that the request's connection landed on. Both are refused
   with a message that says so; everything else (inference, health, metadata, statistics of
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import re
 import signal
 import socket
@@ -56,7 +55,6 @@ from prometheus_client.registry import CollectorRegistry
 
 from ..protocols import ConfigError, ungrouped
 from ..telemetry import render_text, serve_metrics_endpoint
-from ._control import Shutdown
 from ._logging import GRPC_STARTED, HTTP_STARTED, METRICS_STARTED, report_started
 
 if TYPE_CHECKING:
@@ -71,8 +69,6 @@ RESTARTS = 5
 RESTART_WINDOW = 60.0
 KILL_AFTER = 10.0
 """Seconds past the exit timeout after which a worker that has not stopped is killed."""
-ORPHAN_CHECK = 1.0
-"""How often a worker checks that its supervisor is still there (seconds)."""
 NOT_ADDED: dict[str, str] = {
     "orchestrion_cache_available": "min",
     "orchestrion_step_max_inflight_requests": "max",
@@ -86,24 +82,6 @@ SHARED_BACKEND = frozenset({"orchestrion_cache_used_bytes", "orchestrion_cache_c
 """Gauges of a cache that every worker shares (any but ``cache="local"``): each reports the
 same backend, so they are taken once (the largest)."""
 _COUNTER = re.compile(r"^# TYPE (\S+) counter$", re.MULTILINE)
-
-
-def worker_refusal(what: str, options: ServeOptions) -> str:
-    """Why a worker of ``serve --workers`` refuses ``what``."""
-    return (
-        f"{what} is not available with --workers {options.worker_of}: each worker process "
-        "has its own, and a request reaches only the worker its connection landed on "
-        "(start the server with --workers 1 to use it)"
-    )
-
-
-async def stop_when_orphaned(shutdown: Shutdown) -> None:
-    """Request ``shutdown`` once this process's parent (the supervisor) has gone away."""
-    parent = os.getppid()
-    while os.getppid() == parent:  # noqa: ASYNC110 (no event tells a process its parent died)
-        await trio.sleep(ORPHAN_CHECK)
-    _log.error("the supervisor of this worker (pid %d) has gone away: stopping", parent)
-    shutdown.request()
 
 
 # -- the supervisor ------------------------------------------------------------------------

@@ -67,27 +67,7 @@ def _shallow_object(body: bytes) -> dict[str, Any]:
         if body[at : at + 1] != b":":
             raise malformed
         at = _SPACE.match(body, at + 1).end()  # type: ignore[union-attr]
-        opening = body[at : at + 1]
-        if opening in (b"[", b"{"):
-            depth = 0
-            for token in _TOKEN.finditer(body, at):
-                mark = token.group()
-                if mark in (b"[", b"{"):
-                    depth += 1
-                elif mark in (b"]", b"}"):
-                    depth -= 1
-                if depth == 0:
-                    at = token.end()
-                    break
-            else:
-                raise malformed
-            value: Any = Nested("array" if opening == b"[" else "object")
-        else:
-            scalar = _SCALAR.match(body, at)
-            if scalar is None:
-                raise malformed
-            value = json.loads(scalar.group(1))
-            at = scalar.end()
+        value, at = _member_value(body, at, malformed)
         members[json.loads(key.group(1))] = value
         at = _SPACE.match(body, at).end()  # type: ignore[union-attr]
         separator = body[at : at + 1]
@@ -96,3 +76,24 @@ def _shallow_object(body: bytes) -> dict[str, Any]:
             return members
         if separator != b",":
             raise malformed
+
+
+def _member_value(body: bytes, at: int, malformed: InvalidRequestError) -> tuple[Any, int]:
+    """The value that starts at ``at`` (a `Nested` marker for an array or an object, skipped
+    to its end) and where it ends."""
+    opening = body[at : at + 1]
+    if opening not in (b"[", b"{"):
+        scalar = _SCALAR.match(body, at)
+        if scalar is None:
+            raise malformed
+        return json.loads(scalar.group(1)), scalar.end()
+    depth = 0
+    for token in _TOKEN.finditer(body, at):
+        mark = token.group()
+        if mark in (b"[", b"{"):
+            depth += 1
+        elif mark in (b"]", b"}"):
+            depth -= 1
+        if depth == 0:
+            return Nested("array" if opening == b"[" else "object"), token.end()
+    raise malformed

@@ -109,7 +109,7 @@ def parse_version(text: str) -> int:
     return int(text)
 
 
-def request_parameters(
+def request_parameters(  # noqa: C901 (per request: see docs/architecture.md)
     parameters: Mapping[str, object], *, where: str = "request parameters"
 ) -> tuple[dict[str, Any], dict[str, bool]]:
     """A request's parameters, read the way Triton does: the `RequestOptions` fields they

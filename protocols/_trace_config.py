@@ -8,7 +8,7 @@ one request in N. Whatever is not given falls back to the standard ``OTEL_*`` va
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -47,58 +47,101 @@ def parse_trace_config(flags: str | Sequence[str] | None) -> TraceConfig | None:
     items = [flags] if isinstance(flags, str) else list(flags or ())
     if not items:
         return None
-    mode, level = "opentelemetry", "TIMESTAMPS"
-    rate, url, protocol = 1, None, None
-    resource: dict[str, str] = {}
+    settings = _Settings()
     errors: list[str] = []
     for flag in items:
         head, equals, value = flag.partition("=")
         scope, _, key = head.rpartition(",")
         scope, key = scope.strip(), key.strip()
+        setter = _SETTERS.get((scope, key))
         if not equals or not key or scope not in ("", "opentelemetry"):
             errors.append(f"--trace-config {flag!r} is malformed; expected {TRACE_FORMAT}")
-        elif scope == "" and key == "mode":
-            mode = value.strip()
-        elif scope == "" and key == "level":
-            level = value.strip().upper()
-            if level not in ("TIMESTAMPS", "OFF"):
-                errors.append(f"--trace-config level={value}: orchestrion traces TIMESTAMPS or OFF")
-        elif scope == "" and key == "rate":
-            try:
-                rate = int(value)
-            except ValueError:
-                rate = 0
-            if rate < 1:
-                errors.append(f"--trace-config rate={value}: a positive integer (1 in N sampled)")
-        elif scope == "" and key == "count":
-            if value.strip() != "-1":
-                errors.append("--trace-config count: only -1 (no limit) is supported")
-        elif scope == "opentelemetry" and key == "url":
-            url = value.strip()
-        elif scope == "opentelemetry" and key == "protocol":
-            protocol = value.strip()
-            if protocol not in ("http/protobuf", "grpc"):
-                errors.append(
-                    f"--trace-config opentelemetry,protocol={value}: http/protobuf or grpc"
-                )
-        elif scope == "opentelemetry" and key == "resource":
-            name, eq, attribute = value.partition("=")
-            if not eq or not name.strip():
-                errors.append(
-                    f"--trace-config opentelemetry,resource={value}: expected <name>=<value>"
-                )
-            else:
-                resource[name.strip()] = attribute
-        else:
+        elif setter is None:
             where = f"{scope}," if scope else ""
             errors.append(
                 f"--trace-config {where}{key}: unknown key (global: mode, rate, level, count; "
                 "opentelemetry: url, protocol, resource)"
             )
-    if mode != "opentelemetry":
-        errors.append(f"--trace-config mode={mode}: orchestrion traces with opentelemetry only")
+        else:
+            problem = setter(settings, value)
+            if problem is not None:
+                errors.append(f"--trace-config {problem}")
+    if settings.mode != "opentelemetry":
+        errors.append(
+            f"--trace-config mode={settings.mode}: orchestrion traces with opentelemetry only"
+        )
     if errors:
         raise ConfigError(errors)
-    if level == "OFF":
+    if settings.level == "OFF":
         return None
-    return TraceConfig(rate=rate, url=url, protocol=protocol, resource=resource)
+    return TraceConfig(
+        rate=settings.rate, url=settings.url, protocol=settings.protocol, resource=settings.resource
+    )
+
+
+@attrs.define
+class _Settings:
+    """The flags read so far."""
+
+    mode: str = "opentelemetry"
+    level: str = "TIMESTAMPS"
+    rate: int = 1
+    url: str | None = None
+    protocol: str | None = None
+    resource: dict[str, str] = attrs.field(factory=dict)
+
+
+def _mode(settings: _Settings, value: str) -> str | None:
+    settings.mode = value.strip()
+    return None
+
+
+def _level(settings: _Settings, value: str) -> str | None:
+    settings.level = value.strip().upper()
+    if settings.level not in ("TIMESTAMPS", "OFF"):
+        return f"level={value}: orchestrion traces TIMESTAMPS or OFF"
+    return None
+
+
+def _rate(settings: _Settings, value: str) -> str | None:
+    try:
+        settings.rate = int(value)
+    except ValueError:
+        settings.rate = 0
+    return None if settings.rate >= 1 else f"rate={value}: a positive integer (1 in N sampled)"
+
+
+def _count(settings: _Settings, value: str) -> str | None:
+    return None if value.strip() == "-1" else "count: only -1 (no limit) is supported"
+
+
+def _url(settings: _Settings, value: str) -> str | None:
+    settings.url = value.strip()
+    return None
+
+
+def _protocol(settings: _Settings, value: str) -> str | None:
+    settings.protocol = value.strip()
+    if settings.protocol not in ("http/protobuf", "grpc"):
+        return f"opentelemetry,protocol={value}: http/protobuf or grpc"
+    return None
+
+
+def _resource(settings: _Settings, value: str) -> str | None:
+    name, eq, attribute = value.partition("=")
+    if not eq or not name.strip():
+        return f"opentelemetry,resource={value}: expected <name>=<value>"
+    settings.resource[name.strip()] = attribute
+    return None
+
+
+_SETTERS: dict[tuple[str, str], Callable[[_Settings, str], str | None]] = {
+    ("", "mode"): _mode,
+    ("", "level"): _level,
+    ("", "rate"): _rate,
+    ("", "count"): _count,
+    ("opentelemetry", "url"): _url,
+    ("opentelemetry", "protocol"): _protocol,
+    ("opentelemetry", "resource"): _resource,
+}
+"""Each key's setter, by scope (empty: global): None, or what is wrong with the value."""

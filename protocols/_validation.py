@@ -148,15 +148,33 @@ def validate_model_config(config: ModelConfig) -> list[str]:
         errors.append("a model config has no name")
     if config.max_batch_size < 0:
         errors.append(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
-    if config.is_ensemble != (config.ensemble_scheduling is not None):
-        if config.is_ensemble:
-            errors.append(f"ensemble '{name}': platform 'ensemble' needs ensemble_scheduling")
-        else:
-            errors.append(
-                f"model '{name}': ensemble_scheduling is only allowed with platform 'ensemble'"
-            )
+    errors.extend(_ensemble_field_errors(config))
     errors.extend(_platform_errors(config))
     errors.extend(_scheduling_errors(config))
+    errors.extend(_tensor_list_errors(config))
+    errors.extend(_instance_errors(config))
+    errors.extend(_version_policy_errors(config))
+    errors.extend(sequence_problems(config))
+    stateful = config.decoupled or config.sequence_batching is not None
+    if stateful and config.response_cache is not None and config.response_cache.enable:
+        kind = "decoupled" if config.decoupled else "sequence (stateful)"
+        errors.append(f"model '{name}': a {kind} model cannot enable response_cache")
+    return errors
+
+
+def _ensemble_field_errors(config: ModelConfig) -> list[str]:
+    """``platform: "ensemble"`` exactly when there is ``ensemble_scheduling``."""
+    if config.is_ensemble == (config.ensemble_scheduling is not None):
+        return []
+    if config.is_ensemble:
+        return [f"ensemble '{config.name}': platform 'ensemble' needs ensemble_scheduling"]
+    return [f"model '{config.name}': ensemble_scheduling is only allowed with platform 'ensemble'"]
+
+
+def _tensor_list_errors(config: ModelConfig) -> list[str]:
+    """Each input and output (named once), and at least one output."""
+    name = config.name
+    errors: list[str] = []
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for tensor in tensors:
@@ -164,35 +182,43 @@ def validate_model_config(config: ModelConfig) -> list[str]:
                 errors.append(f"model '{name}': {kind} '{tensor.name}' is declared twice")
             seen.add(tensor.name)
             errors.extend(_tensor_errors(name, kind, tensor, config.max_batch_size))
-    if not config.is_ensemble:
-        if not config.output:
+    if not config.output:
+        if config.is_ensemble:
+            errors.append(f"ensemble '{name}': an ensemble needs at least one output")
+        else:
             errors.append(f"model '{name}': a model needs at least one output")
-        for group in config.instance_group:
-            if group.count < 1:
-                errors.append(f"model '{name}': instance_group count must be >= 1")
-        total = sum(
-            max(group.count, 0) * max(len(group.gpus), 1) for group in config.instance_group
+    return errors
+
+
+def _instance_errors(config: ModelConfig) -> list[str]:
+    """A model's ``instance_group``: counts of at least one, at most `MAX_INSTANCES` in all."""
+    if config.is_ensemble:
+        return []
+    name = config.name
+    errors = [
+        f"model '{name}': instance_group count must be >= 1"
+        for group in config.instance_group
+        if group.count < 1
+    ]
+    total = sum(max(group.count, 0) * max(len(group.gpus), 1) for group in config.instance_group)
+    if total > MAX_INSTANCES:
+        errors.append(
+            f"model '{name}': instance_group asks for {total} instances (at most "
+            f"{MAX_INSTANCES} per model: each is an actor with its own copy of the model)"
         )
-        if total > MAX_INSTANCES:
-            errors.append(
-                f"model '{name}': instance_group asks for {total} instances (at most "
-                f"{MAX_INSTANCES} per model: each is an actor with its own copy of the model)"
-            )
-    elif not config.output:
-        errors.append(f"ensemble '{name}': an ensemble needs at least one output")
+    return errors
+
+
+def _version_policy_errors(config: ModelConfig) -> list[str]:
+    """``version_policy``: a positive count of latest versions, positive specific ones."""
     policy = config.version_policy
-    if policy is not None:
-        if policy.latest is not None and policy.latest < 1:
-            errors.append(f"model '{name}': version_policy latest num_versions must be >= 1")
-        if policy.specific is not None and (
-            not policy.specific or any(v < 1 for v in policy.specific)
-        ):
-            errors.append(f"model '{name}': version_policy specific needs positive versions")
-    errors.extend(sequence_problems(config))
-    stateful = config.decoupled or config.sequence_batching is not None
-    if stateful and config.response_cache is not None and config.response_cache.enable:
-        kind = "decoupled" if config.decoupled else "sequence (stateful)"
-        errors.append(f"model '{name}': a {kind} model cannot enable response_cache")
+    if policy is None:
+        return []
+    errors = []
+    if policy.latest is not None and policy.latest < 1:
+        errors.append(f"model '{config.name}': version_policy latest num_versions must be >= 1")
+    if policy.specific is not None and (not policy.specific or any(v < 1 for v in policy.specific)):
+        errors.append(f"model '{config.name}': version_policy specific needs positive versions")
     return errors
 
 
