@@ -113,6 +113,10 @@ class EnsembleRunner:
         """The fused call last built for the composing models (tests and benchmarks look)."""
         return self._gate.fusion
 
+    def keep_counting(self, recorder: StatsRecorder) -> None:
+        """Count from now on in ``recorder`` (a reload hands the old version's on)."""
+        self.stats = recorder
+
     def statistics(self) -> ModelStatistics:
         """A snapshot of the ensemble's own statistics."""
         return self.stats.snapshot()

@@ -58,7 +58,7 @@ def _keep_counting(old: StatsRecorder, runner: Runner) -> None:
     old.load_ns = runner.stats.load_ns
     old.cache_enabled = runner.stats.cache_enabled
     old.is_ensemble = runner.stats.is_ensemble
-    runner.stats = old
+    runner.keep_counting(old)
 
 
 def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -64,6 +64,13 @@ class ModelRunner:
     """What the model's code may call on the server (BLS); None: nothing."""
     executor: Executor = attrs.field(init=False)
     """Runs and counts the executions (the batcher, sequences and streams share it)."""
+    backend: Backend = attrs.field(init=False)
+    """How the model's code runs (`orchestrion.backends`; the executor's)."""
+    pool: Instances = attrs.field(init=False)
+    """The model's instances (the executor's)."""
+    stats: StatsRecorder = attrs.field(init=False)
+    """This version's statistics (the executor's; `keep_counting` hands another on)."""
+    output_names: frozenset[str] = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     batcher: Batcher | None = attrs.field(init=False, default=None)
     """The dynamic batcher of a model that batches (None: one request per execution)."""
@@ -89,6 +96,8 @@ class ModelRunner:
         outputs = self.checker if facing is config and shapes else TensorChecker(facing, shapes)
         pool = Instances(backend, self.model.name, self.model.version, outputs)
         self.executor = Executor(self.model, backend, pool, stats, self.observer, self.tracing)
+        self.backend, self.pool, self.stats = backend, pool, stats
+        self.output_names = self.executor.output_names
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self.streams = Streams(self.executor)
         if self.capabilities.sequence_tensors:
@@ -106,38 +115,13 @@ class ModelRunner:
         return self.model.config
 
     @property
-    def backend(self) -> Backend:
-        """How the model's code runs (`orchestrion.backends`)."""
-        return self.executor.backend
-
-    @property
-    def pool(self) -> Instances:
-        """The model's instances, and one execution on one of them."""
-        return self.executor.pool
-
-    @property
-    def stats(self) -> StatsRecorder:
-        """This version's statistics (a reload hands the old version's on)."""
-        return self.executor.stats
-
-    @stats.setter
-    def stats(self, recorder: StatsRecorder) -> None:
-        self.executor.stats = recorder
-
-    @property
     def queued(self) -> int:
-        """Requests waiting for an instance, not yet running."""
+        """Requests waiting for an instance, not yet running (the executor's count)."""
         return self.executor.queued
 
-    @property
-    def closing(self) -> bool:
-        """`close` was called: no new work is taken."""
-        return self.executor.closing
-
-    @property
-    def output_names(self) -> frozenset[str]:
-        """The outputs the config declares."""
-        return self.executor.output_names
+    def keep_counting(self, recorder: StatsRecorder) -> None:
+        """Count from now on in ``recorder`` (a reload hands the old version's on)."""
+        self.stats = self.executor.stats = recorder
 
     @property
     def version(self) -> int:
@@ -170,7 +154,7 @@ class ModelRunner:
 
     def idle(self) -> bool:
         """Nothing queued, and some instance can run inline now."""
-        if self.queued or (self.batcher is not None and len(self.batcher.queue)):
+        if self.executor.queued or (self.batcher is not None and len(self.batcher.queue)):
             return False
         for instance in self.pool.all:  # noqa: SIM110 (no generator: it runs per request)
             if instance.inline and not instance.busy:
@@ -267,7 +251,7 @@ class ModelRunner:
         capabilities = self.capabilities
         if capabilities.stateful or capabilities.streaming or not self.pool.inline_now_allowed:
             return False
-        if self.queued or self.batcher is not None:
+        if self.executor.queued or self.batcher is not None:
             return False
         return self.pool.idle_inline(inputs) is not None
 
@@ -283,7 +267,7 @@ class ModelRunner:
             return False
         if batching.max_queue_delay_microseconds or batching.preserve_ordering:
             return False
-        if self.queued or len(batcher.queue) or batcher.last_batch > 1:
+        if self.executor.queued or len(batcher.queue) or batcher.last_batch > 1:
             return False
         return self.pool.idle_inline(inputs) is not None
 
