@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import attrs
-import jax
 import numpy as np
 import trio
 
+from ..backends import on_default_device
 from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, Tensors
 from ._batch_queue import batch_size
 from ._definition import FusionMode, fusion_mode
@@ -63,7 +63,7 @@ def fusable(runner: object, max_batch_size: int) -> bool:
     return (
         capabilities.traceable
         and not capabilities.takes_request
-        and all(i.device == jax.devices()[0] for i in runner.instances)
+        and on_default_device([i.device for i in runner.instances])
     )
 
 

@@ -45,11 +45,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import jax
 import numpy as np
 import trio
 
-from ..backends import concatenate, repeat_last_row, rows_view, take_rows
+from ..backends import TracedCall, concatenate, repeat_last_row, rows_view, take_rows
 from ..protocols import ModelConfig, StepPlan, Tensors, expected_shape
 from ._batch_queue import OnePass, gathered_batches
 from ._definition import FusionMode
@@ -151,7 +150,7 @@ class Fusion(FusedSteps):
 
     mode: FusionMode = FusionMode.ON
     """"on": the steps' own executables one after another; "xla": one traced function."""
-    _call: Callable[..., Any] | None = attrs.field(init=False, default=None)
+    _call: TracedCall | None = attrs.field(init=False, default=None)
     """Mode "xla": the steps traced into one jitted function."""
     _params: tuple[Any, ...] = attrs.field(init=False)
     _traceables: tuple[Callable[..., Mapping[str, Any]], ...] = attrs.field(init=False)
@@ -198,7 +197,7 @@ class Fusion(FusedSteps):
         )
         self._traceables = tuple(r.backend.traceable() for r in self.runners)
         if self.mode is FusionMode.XLA:
-            self._call = jax.jit(self._traced)
+            self._call = TracedCall(self._steps)
 
     def holds_loop_as(self, where: str) -> str:
         """How the watchdog names this ensemble while its one compiled call runs."""
@@ -222,9 +221,6 @@ class Fusion(FusedSteps):
                     board[tensor] = result[name]
         produced.append({name: board[name] for name in self.outputs if name in board})
         return produced
-
-    def _traced(self, params: tuple[Any, ...], inputs: Mapping[str, Any]) -> Any:
-        return self._steps(params, inputs)[-1]
 
     @staticmethod
     def signature(inputs: Tensors) -> Signature:
@@ -283,8 +279,9 @@ class Fusion(FusedSteps):
 
     def _check_and_compile(self, inputs: dict[str, Any]) -> bool:
         rows = next(iter(inputs.values())).shape[0] if self.max_batch else None
+        assert self._call is not None
         try:
-            *steps, _ = jax.eval_shape(self._steps, self._params, inputs)
+            *steps, _ = self._call.abstract(self._params, inputs)
             for runner, (args, outputs) in zip(self.runners, steps, strict=True):
                 config = runner.model.config
                 if _abstract_problem(config, args, "input") is not None:
@@ -293,8 +290,7 @@ class Fusion(FusedSteps):
                     return False
                 if rows is not None and any(o.shape[0] != rows for o in outputs.values()):
                     return False  # a batching model returns one row per input row
-            assert self._call is not None
-            jax.block_until_ready(self._call(self._params, inputs))  # type: ignore[no-untyped-call]
+            self._call(self._params, inputs)
         except Exception:  # whatever tracing raised: the scheduler runs (and reports) it
             return False
         return True
@@ -326,8 +322,7 @@ class Fusion(FusedSteps):
         outer, holder.runs = holder.runs, self
         try:
             # Waited for, not copied: the outputs stay where the fused call computed them.
-            raw = dict(self._call(self._params, inputs))
-            outputs: dict[str, Any] = jax.block_until_ready(raw)  # type: ignore[no-untyped-call]
+            outputs: dict[str, Any] = dict(self._call(self._params, inputs))
         except Exception:
             self._refused.add(signature)
             self._ready.discard(signature)

@@ -31,5 +31,7 @@ from ._rows import repeat_last_row as repeat_last_row
 from ._rows import rows_view as rows_view
 from ._rows import split_outputs as split_outputs
 from ._rows import take_rows as take_rows
+from ._traced import TracedCall as TracedCall
+from ._traced import on_default_device as on_default_device
 from ._triton_config import auto_complete as auto_complete
 from ._triton_config import stub_name_problem as stub_name_problem

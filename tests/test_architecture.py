@@ -122,6 +122,21 @@ def test_packages_use_each_others_public_faces() -> None:
     assert reached == []
 
 
+def test_the_runtime_imports_no_jax() -> None:
+    """JAX is the backends' business: device rows, tracing and devices go through them."""
+    reaching = []
+    for path in sorted((ROOT / "actors").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(name == "jax" or name.startswith("jax.") for name in names):
+                reaching.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert reaching == []
+
+
 def _every_module(root: Path = ROOT) -> list[Path]:
     """Every module of the package, ``testing/`` and the top level included."""
     return sorted(
