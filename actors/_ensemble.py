@@ -161,14 +161,6 @@ class EnsembleRunner:
         """Ensembles always go through their step actors."""
         return False
 
-    def may_run_alone(self, inputs: Tensors) -> bool:
-        """An ensemble has no batcher to skip."""
-        return False
-
-    async def run_alone(self, request: InferRequest) -> InferResponse | None:
-        """Not available for ensembles (`may_run_alone` is always False)."""
-        return None
-
     def infer_now(self, request: InferRequest) -> InferResponse:
         """Not available for ensembles (`ready_now` is always False)."""
         raise trio.WouldBlock
@@ -211,6 +203,9 @@ class EnsembleRunner:
         """`infer` through the step actors."""
         requested, plan, tensors = self._begin(request, admitted=True)
         produced = await self._scheduler.run(request, plan, tensors)
+        # The answer came from the step actors; a deadline that passed meanwhile has been
+        # seen by now: a late result is cancelled, not returned.
+        await trio.lowlevel.checkpoint_if_cancelled()
         return self._response(request, requested, produced)
 
     async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:

@@ -4,9 +4,10 @@ How this works. `RequestRouter.infer` resolves the model and version in the `Loa
 checks the inputs against the config (a refused request counts as REJECTED on its model), and
 keeps Triton's per-model statistics, a span when tracing, and the observer's events around
 the call. Ensembles call back into it for their steps (it is their `Router`), so composing
-models are counted exactly like direct requests. Short synchronous work on an idle instance
-runs in the caller's task (`ready_now`, `infer_now`) instead of a trip through the model's
-queue.
+models are counted exactly like direct requests. How a request runs (at once in the
+caller's task, alone past a batcher, or queued) is its runner's choice, behind one call
+(`ModelRunner.infer`); an ensemble's step actors also ask `ready_now` / `infer_now`, to run a
+ready step in the task that made it ready.
 
 A model (or ensemble) with ``response_cache`` enabled on a server with a cache goes through
 the cache actor instead: a hit answers without running anything (for an ensemble, without
@@ -241,27 +242,9 @@ class RequestRouter:
             raise
         if self.cache is not None and caches(runner.config):
             return await self._infer_cached(self.cache, runner, request, from_ensemble)
-        # Short synchronous work on an idle instance runs here, between a cancellation check
-        # and a checkpoint, instead of making a trip through the model's queue.
-        now = runner.ready_now(request.inputs)
         start, request, span = self._started(runner, request, from_ensemble)
         try:
-            if now:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                response = runner.infer_now(request)
-                await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
-            else:
-                alone = None
-                if runner.may_run_alone(request.inputs):
-                    alone = await runner.run_alone(request)
-                if alone is not None:
-                    response = alone
-                    await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
-                else:
-                    response = await runner.infer(request)
-                    # The answer came from another task; a deadline that passed meanwhile
-                    # has been seen by now: a late result is cancelled, not returned.
-                    await trio.lowlevel.checkpoint_if_cancelled()
+            response = await runner.infer(request)  # the runner picks the quickest way
         except BaseException as exc:
             self._finished(runner, request, start, exc, span)
             raise

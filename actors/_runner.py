@@ -10,9 +10,11 @@ why). The parts with a concept of their own live beside it: the dynamic batcher
 (``_batcher.py``, which then reads the channel instead of the instances), a stateful model's
 sequences (``_sequences.py``) and a decoupled model's streams (``_streams.py``).
 
-Fast paths skip the channel when nothing would be gained by it: `infer_now` runs a request
-in the caller's task on an idle inline instance (`ready_now` says when), and `run_alone`
-lets a lone request of a batching model skip the batcher at light load.
+Fast paths skip the channel when nothing would be gained by it, and `ModelRunner.infer`
+alone chooses: a request runs in the caller's task on an idle inline instance when nothing
+is queued ahead (`ready_now` says when, `infer_now` runs it; an ensemble's step actors ask
+the same), and `run_alone` lets a lone request of a batching model skip the batcher at
+light load. A cached model's misses take the same paths.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class ModelRunner:
     _sweeper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _alone_candidates: int = attrs.field(init=False, default=0)
     """Requests in `run_alone`'s checkpoint now (more than one: they batch instead)."""
+    _inline_now: bool = attrs.field(init=False, default=False)
+    """Its requests may run at once in the caller's task (see `ready_now`): stateless, not
+    a stream, not batching, code that neither awaits nor waits through a portal."""
 
     def __attrs_post_init__(self) -> None:
         config = self.model.config
@@ -108,6 +113,13 @@ class ModelRunner:
             self.sequences = Sequences.of(config, self.backend.initial_state, self._submit)
         if self.capabilities.batching and config.dynamic_batching:
             self.batcher = Batcher(self.executor, BatchQueue(config), self.backend.padded_sizes)
+        capabilities = self.capabilities
+        self._inline_now = (
+            not capabilities.stateful
+            and not capabilities.streaming
+            and self.pool.inline_now_allowed
+            and self.batcher is None
+        )
 
     @property
     def config(self) -> ModelConfig:
@@ -248,10 +260,7 @@ class ModelRunner:
         """Whether `infer_now` can run these inputs at once: nobody is queued ahead and an
         inline instance is idle, with ``execute`` already compiled for these shapes (a
         compilation can take a second: it never runs on the event loop)."""
-        capabilities = self.capabilities
-        if capabilities.stateful or capabilities.streaming or not self.pool.inline_now_allowed:
-            return False
-        if self.executor.queued or self.batcher is not None:
+        if not self._inline_now or self.executor.queued:
             return False
         return self.pool.idle_inline(inputs) is not None
 
@@ -288,8 +297,9 @@ class ModelRunner:
             self._alone_candidates -= 1
         return self.infer_now(request) if alone else None
 
-    def infer_now(self, request: InferRequest) -> InferResponse:
-        """Run ``request`` in the caller's task on an idle inline instance.
+    def infer_now(self, request: InferRequest, instance: Instance | None = None) -> InferResponse:
+        """Run ``request`` in the caller's task on an idle inline instance (``instance``,
+        or the one `ready_now` found).
 
         Only valid right after `ready_now` (or `may_run_alone`) returned True. Running short
         synchronous work where it already is saves the two task switches of a trip through
@@ -298,8 +308,9 @@ class ModelRunner:
         Raises:
             InferenceError: ``execute`` raised or returned a bad result.
         """
-        instance = self.pool.idle_inline(request.inputs)
-        assert instance is not None, "infer_now without ready_now"
+        if instance is None:
+            instance = self.pool.idle_inline(request.inputs)
+            assert instance is not None, "infer_now without ready_now"
         instance.busy = True
         started = time.perf_counter_ns()
         result: tuple[Tensors, Timings] | None = None
@@ -323,12 +334,35 @@ class ModelRunner:
     # -- the queue -------------------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        """Run ``request`` (inputs already checked) on the next free instance.
+        """Run ``request`` (inputs already checked) the quickest way that keeps the model's
+        order: at once in this task on an idle inline instance when nothing is queued
+        ahead; for a batching model at light load, alone past its batcher (`run_alone`);
+        else through the model's queue, on the next free instance.
 
         Raises:
             InferenceError: ``execute`` raised or returned a bad result.
             ServerClosedError: the model is being unloaded.
         """
+        if self._inline_now and not self.executor.queued:
+            instance = self.pool.idle_inline(request.inputs)
+            if instance is not None:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                response = self.infer_now(request, instance)
+                await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+                return response
+        elif self.may_run_alone(request.inputs):
+            alone = await self.run_alone(request)
+            if alone is not None:
+                await trio.lowlevel.checkpoint()  # a result past a deadline is cancelled
+                return alone
+        response = await self._queued(request)
+        # The answer came from another task; a deadline that passed meanwhile has been
+        # seen by now: a late result is cancelled, not returned.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return response
+
+    async def _queued(self, request: InferRequest) -> InferResponse:
+        """`infer` through the model's queue (its batcher, its sequences)."""
         if self.sequence_batcher is not None:
             work = await self.sequence_batcher.run(request)
         elif self.sequences is not None:

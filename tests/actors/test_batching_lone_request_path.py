@@ -11,7 +11,7 @@ import trio.testing
 
 import orchestrion
 from orchestrion.protocols import InferenceError
-from orchestrion.testing import assert_idle, ensemble, outcome, step, tensor
+from orchestrion.testing import assert_idle, cached, ensemble, outcome, step, tensor
 from support.batching import ROW, batching, plain, row
 
 
@@ -162,3 +162,27 @@ async def test_guard_an_error_alone_is_reported_and_counted_once() -> None:
     assert results[0].model_name == "m"
     assert (stats.inference_stats.fail.count, stats.inference_stats.success.count) == (1, 1)
     assert (stats.execution_count, stats.inference_count) == (2, 1)
+
+
+async def test_a_cached_models_misses_take_the_same_short_paths() -> None:
+    """The runner alone chooses how a request runs: a cached model's miss runs at once in
+    the caller's task like an uncached request (a plain model on an idle inline instance, a
+    batching one alone past its batcher); its hit runs nothing."""
+    plain_calls: list[int] = []
+    plain_tasks: list[object] = []
+    batch_calls: list[int] = []
+    batch_tasks: list[object] = []
+    direct = cached(plain("p", recorder(plain_calls, plain_tasks)))
+    batched = cached(batching(plain("b", recorder(batch_calls, batch_tasks))))
+    async with orchestrion.open_server(
+        models=[direct, batched], cache_config="local,size=1048576"
+    ) as server:
+        for name in ("p", "b", "p", "b"):
+            response = await server.infer(name, {"X": row(3)})
+            np.testing.assert_array_equal(response.outputs["Y"], row(3) * 2)
+        hits = {s.name: s.inference_stats.cache_hit.count for s in server.model_statistics()}
+        assert_idle(server)
+    me = trio.lowlevel.current_task()
+    assert (plain_calls, plain_tasks) == ([1], [me])
+    assert (batch_calls, batch_tasks) == ([1], [me])
+    assert hits == {"p": 1, "b": 1}
