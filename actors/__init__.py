@@ -3,6 +3,9 @@
 from ..protocols import Model as Model
 from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
+from ._fusion import Fusion as Fusion
+from ._instances import SWITCH_WINDOW as SWITCH_WINDOW
+from ._listed_fusion import ListedFusion as ListedFusion
 from ._load_lock import LoadLock as LoadLock
 from ._model_files import CONFIG_FILE as CONFIG_FILE
 from ._model_files import RepositoryEntry as RepositoryEntry

@@ -10,7 +10,7 @@ transport-free code the Python front ends use (`HttpApi.handle` for HTTP, the
 back (`respond`, `reply`, `stream_send`, `stream_close`). A client that goes away cancels
 its task. There is no second event loop and no thread handoff on the way.
 
-The native part is optional: `available()` says whether it is installed (``orchestrion
+The native part is optional: `native_available()` says whether it is installed (``orchestrion
 serve --frontend python`` and a missing build use `_http_server` and `_grpc_service`).
 """
 
@@ -51,7 +51,7 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 
 
-def available() -> bool:
+def native_available() -> bool:
     """Whether the native front end is installed."""
     return _native is not None
 

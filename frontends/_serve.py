@@ -52,8 +52,7 @@ from ._http_server import (
     DEFAULT_HEADER_TIMEOUT,
     default_max_connections,
 )
-from ._native import available as native_available
-from ._native import serve_native
+from ._native import native_available, serve_native
 from ._native_cache import DEFAULT_TIER_SIZE
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory

@@ -17,10 +17,7 @@ import attrs
 import trio
 
 from orchestrion import AsyncServer, Model
-from orchestrion.actors import EnsembleRunner, ModelRunner
-from orchestrion.actors._fusion import Fusion
-from orchestrion.actors._instances import SWITCH_WINDOW
-from orchestrion.actors._listed_fusion import ListedFusion
+from orchestrion.actors import SWITCH_WINDOW, EnsembleRunner, Fusion, ListedFusion, ModelRunner
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,

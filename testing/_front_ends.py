@@ -12,12 +12,18 @@ from typing import Any
 import trio
 
 from orchestrion import AsyncServer, open_server
-from orchestrion.frontends._control import ModelControl, Shutdown
-from orchestrion.frontends._grpc_service import DirectCalls, InferenceService, serve_grpc_api
-from orchestrion.frontends._http_api import HttpApi, serve_http_api
-from orchestrion.frontends._native import available as native_available
-from orchestrion.frontends._native import serve_native
-from orchestrion.protocols._errors import ungrouped
+from orchestrion.frontends import (
+    DirectCalls,
+    HttpApi,
+    InferenceService,
+    ModelControl,
+    Shutdown,
+    native_available,
+    serve_grpc_api,
+    serve_http_api,
+    serve_native,
+)
+from orchestrion.protocols import ungrouped
 
 FRONTEND_VARIABLE = "ORCHESTRION_TEST_FRONTEND"
 """Names the front end the test helpers serve with (``native`` or ``python``): `front_ends`

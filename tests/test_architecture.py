@@ -106,17 +106,19 @@ def test_imports_run_one_way() -> None:
 
 def test_packages_use_each_others_public_faces() -> None:
     """A module takes another package's names from that package, never from one of its
-    private modules (imports for type checking aside: `Model` in the backends, until it
-    moves below the runtime)."""
+    private modules, at run time or for type checkers; ``orchestrion.testing`` too."""
     reached = []
-    for path in _package_modules():
-        tree = ast.parse(path.read_text())
-        type_only = _type_only(tree)
+    for path in [*_package_modules(), *sorted((ROOT / "testing").glob("*.py"))]:
         own = _layer(path)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in type_only:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            parts = (node.module or "").split(".")
+            if node.level:
+                parts = (node.module or "").split(".")
+            elif (node.module or "").startswith("orchestrion."):
+                parts = (node.module or "").split(".")[1:]
+            else:
+                continue
             if len(parts) == 2 and parts[0] != own and parts[1].startswith("_"):
                 reached.append(f"{path.relative_to(ROOT)} imports {node.module}")
     assert reached == []

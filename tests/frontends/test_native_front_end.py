@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from orchestrion.frontends._native import available as native_available
+from orchestrion.frontends import native_available
 from orchestrion.testing import Served, get
 from support.metrics import metric_value
 from support.served import MODELS, start_server

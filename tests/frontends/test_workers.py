@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from orchestrion.frontends._native import available as native_available
+from orchestrion.frontends import native_available
 from orchestrion.frontends._workers import add_up
 from orchestrion.testing import Served, get, post
 from support.metrics import metric_value
