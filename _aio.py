@@ -16,31 +16,67 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Unpack
+from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
 import trio
 
 from ._options import ServerOptionFields, ServerOptions, chosen
 from ._server import AsyncServer, refuse_other_loops
 from ._server import open_server as open_trio_server
-from .actors import Model, ModelControlCalls
+from .actors import Model
 from .backends import TrioBridge, call_sync
 from .protocols import (
-    CacheStatistics,
     InferResponse,
-    ModelConfig,
-    ModelStatistics,
     RequestOptions,
     ServerClosedError,
-    StepStatistics,
     check_field_names,
 )
 
 T = TypeVar("T")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _awaited(
+    method: Callable[Concatenate[AsyncServer, P], Awaitable[R]],
+) -> Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]]:
+    """`AsyncServer`'s ``method`` as `AioServer`'s: run as a trio task, awaited here."""
+
+    async def call(self: AioServer, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        result: R = await self._call(functools.partial(method, self._server, *args, **kwargs))
+        return result
+
+    return _like(call, method)
+
+
+def _on_loop(
+    method: Callable[Concatenate[AsyncServer, P], R],
+) -> Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]]:
+    """`AsyncServer`'s synchronous ``method`` as `AioServer`'s: called on the trio thread (its
+    state lives there), awaited here."""
+
+    async def call(self: AioServer, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._sync(functools.partial(method, self._server, *args, **kwargs))
+
+    return _like(call, method)
+
+
+def _like(
+    call: Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]], method: Any
+) -> Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]]:
+    """``call`` named, documented and signed as ``method``."""
+    call.__name__ = method.__name__
+    call.__qualname__ = f"AioServer.{method.__name__}"
+    call.__doc__ = method.__doc__
+    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    return call
 
 
 class AioServer:
@@ -116,77 +152,32 @@ class AioServer:
             with contextlib.suppress(ServerClosedError):
                 await self._sync(receive.close)
 
-    async def model_statistics(
-        self, name: str | None = None, version: int | None = None
-    ) -> list[ModelStatistics]:
-        """See `AsyncServer.model_statistics`."""
-        return await self._sync(self._server.model_statistics, name, version)
-
-    async def metrics_text(self) -> str:
-        """See `AsyncServer.metrics_text`."""
-        return await self._sync(self._server.metrics_text)
-
     @property
     def metrics_url(self) -> str | None:
         """See `AsyncServer.metrics_url`."""
         return self._server.metrics_url
-
-    async def cache_statistics(self) -> CacheStatistics | None:
-        """See `AsyncServer.cache_statistics`."""
-        return await self._sync(self._server.cache_statistics)
-
-    async def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
-        """See `AsyncServer.step_statistics`."""
-        return await self._sync(self._server.step_statistics, ensemble)
-
-    async def model_config(self, name: str, version: int = -1) -> ModelConfig:
-        """See `AsyncServer.model_config`."""
-        return await self._sync(self._server.model_config, name, version)
-
-    async def model_names(self) -> list[str]:
-        """See `AsyncServer.model_names`."""
-        return await self._sync(self._server.model_names)
-
-    async def model_versions(self, name: str) -> list[int]:
-        """See `AsyncServer.model_versions`."""
-        return await self._sync(self._server.model_versions, name)
-
-    async def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
-        """See `AsyncServer.output_labels`."""
-        return await self._sync(self._server.output_labels, name, version)
-
-    async def is_decoupled(self, name: str) -> bool:
-        """See `AsyncServer.is_decoupled`."""
-        return await self._sync(self._server.is_decoupled, name)
-
-    async def is_model_ready(self, name: str, version: int = -1) -> bool:
-        """See `AsyncServer.is_model_ready`."""
-        return await self._sync(self._server.is_model_ready, name, version)
-
-    async def use_model_control(self, control: ModelControlCalls | None) -> None:
-        """See `AsyncServer.use_model_control`."""
-        await self._sync(self._server.use_model_control, control)
 
     @property
     def model_repository(self) -> Path | None:
         """See `AsyncServer.model_repository`."""
         return self._server.model_repository
 
-    async def model_ready(self, name: str, version: int = -1) -> bool:
-        """See `AsyncServer.model_ready`."""
-        result: bool = await self._call(self._server.model_ready, name, version)
-        return result
-
-    async def load_model(self, model: str | Model | Sequence[Model]) -> None:
-        """See `AsyncServer.load_model`."""
-        await self._call(self._server.load_model, model)
-
-    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
-        """See `AsyncServer.unload_model`."""
-        call = functools.partial(
-            self._server.unload_model, name, unload_dependents=unload_dependents
-        )
-        await self._call(call)
+    # The rest are AsyncServer's methods, declared there once: each runs on the server's
+    # trio thread, awaited or called there, and is awaited here.
+    model_statistics = _on_loop(AsyncServer.model_statistics)
+    metrics_text = _on_loop(AsyncServer.metrics_text)
+    cache_statistics = _on_loop(AsyncServer.cache_statistics)
+    step_statistics = _on_loop(AsyncServer.step_statistics)
+    model_config = _on_loop(AsyncServer.model_config)
+    model_names = _on_loop(AsyncServer.model_names)
+    model_versions = _on_loop(AsyncServer.model_versions)
+    output_labels = _on_loop(AsyncServer.output_labels)
+    is_decoupled = _on_loop(AsyncServer.is_decoupled)
+    is_model_ready = _on_loop(AsyncServer.is_model_ready)
+    use_model_control = _on_loop(AsyncServer.use_model_control)
+    model_ready = _awaited(AsyncServer.model_ready)
+    load_model = _awaited(AsyncServer.load_model)
+    unload_model = _awaited(AsyncServer.unload_model)
 
 
 @contextlib.asynccontextmanager

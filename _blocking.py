@@ -10,29 +10,66 @@ them from ``asyncio.to_thread`` without blocking its own loop.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, Unpack
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar, Unpack
 
 import anyio.from_thread
 import sniffio
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from ._server import AsyncServer, CacheTierLink, open_server
-from .actors import Model, ModelControlCalls
+from ._server import AsyncServer, open_server
+from .actors import Model
 from .protocols import (
-    CacheStatistics,
     InferResponse,
-    ModelConfig,
-    ModelStatistics,
     RequestOptions,
     ServerClosedError,
-    StepStatistics,
     check_field_names,
 )
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _awaited(
+    method: Callable[Concatenate[AsyncServer, P], Awaitable[R]],
+) -> Callable[Concatenate[Server, P], R]:
+    """`AsyncServer`'s ``method`` as `Server`'s: run on the server's thread, waited for."""
+
+    def call(self: Server, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        server, portal = self._opened()
+        return portal.call(functools.partial(method, server, *args, **kwargs))
+
+    return _like(call, method)
+
+
+def _on_loop(
+    method: Callable[Concatenate[AsyncServer, P], R],
+) -> Callable[Concatenate[Server, P], R]:
+    """`AsyncServer`'s synchronous ``method`` as `Server`'s: called on the server's thread
+    (its state lives there)."""
+
+    def call(self: Server, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        server, portal = self._opened()
+        result: R = portal.call(_run_sync, functools.partial(method, server, *args, **kwargs))
+        return result
+
+    return _like(call, method)
+
+
+def _like(
+    call: Callable[Concatenate[Server, P], R], method: Any
+) -> Callable[Concatenate[Server, P], R]:
+    """``call`` named, documented and signed as ``method``."""
+    call.__name__ = method.__name__
+    call.__qualname__ = f"Server.{method.__name__}"
+    call.__doc__ = method.__doc__
+    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    return call
 
 
 class Server:
@@ -104,16 +141,10 @@ class Server:
             portal_cm, self._portal_cm = self._portal_cm, None
             portal_cm.__exit__(None, None, None)
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _opened(self) -> tuple[AsyncServer, anyio.from_thread.BlockingPortal]:
         if self._portal is None or self._server is None:
             raise ServerClosedError("the server is not open (use it inside its with block)")
-        return self._portal.call(functools.partial(getattr(self._server, method), *args, **kwargs))
-
-    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self._portal is None or self._server is None:
-            raise ServerClosedError("the server is not open (use it inside its with block)")
-        fn = functools.partial(getattr(self._server, method), *args, **kwargs)
-        return self._portal.call(_run_sync, fn)
+        return self._server, self._portal
 
     def infer(
         self,
@@ -126,34 +157,27 @@ class Server:
         """Run one request; see `AsyncServer.infer` for the arguments (`RequestOptions`
         fields by name) and errors."""
         check_field_names(fields, "Server.infer")
-        response: InferResponse = self._call("infer", model_name, inputs, options=options, **fields)
+        server, portal = self._opened()
+        call = functools.partial(server.infer, model_name, inputs, options=options, **fields)
+        response: InferResponse = portal.call(call)
         return response
-
-    def model_statistics(
-        self, name: str | None = None, version: int | None = None
-    ) -> list[ModelStatistics]:
-        """See `AsyncServer.model_statistics`."""
-        result: list[ModelStatistics] = self._sync("model_statistics", name, version)
-        return result
-
-    def metrics_text(self) -> str:
-        """See `AsyncServer.metrics_text`."""
-        result: str = self._sync("metrics_text")
-        return result
 
     @property
     def metrics_url(self) -> str | None:
         """See `AsyncServer.metrics_url`."""
         return self._server.metrics_url if self._server is not None else None
 
+    @property
+    def model_repository(self) -> Path | None:
+        """See `AsyncServer.model_repository`."""
+        return self._server.model_repository if self._server is not None else None
+
     def stream_infer(
         self, model_name: str, inputs: Mapping[str, Any], **kwargs: Any
     ) -> Iterator[InferResponse]:
         """The responses of a decoupled model, as they come; see `AsyncServer.stream_infer`
         for the arguments. Stop iterating (or close the iterator) to stop the model."""
-        portal, server = self._portal, self._server
-        if portal is None or server is None:
-            raise ServerClosedError("the server is not open (use it inside its with block)")
+        server, portal = self._opened()
         responses = server.stream_infer(model_name, inputs, **kwargs)
 
         async def step() -> InferResponse | None:
@@ -169,72 +193,23 @@ class Server:
             if self._portal is portal:  # still open: stop the model's generator
                 portal.call(responses.aclose)
 
-    def cache_statistics(self) -> CacheStatistics | None:
-        """See `AsyncServer.cache_statistics`."""
-        result: CacheStatistics | None = self._sync("cache_statistics")
-        return result
-
-    def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
-        """See `AsyncServer.step_statistics`."""
-        result: tuple[StepStatistics, ...] = self._sync("step_statistics", ensemble)
-        return result
-
-    def cache_tier_link(self) -> CacheTierLink:
-        """See `AsyncServer.cache_tier_link` (use the link on the server's thread)."""
-        result: CacheTierLink = self._sync("cache_tier_link")
-        return result
-
-    def model_config(self, name: str, version: int = -1) -> ModelConfig:
-        """See `AsyncServer.model_config`."""
-        result: ModelConfig = self._sync("model_config", name, version)
-        return result
-
-    def model_names(self) -> list[str]:
-        """See `AsyncServer.model_names`."""
-        result: list[str] = self._sync("model_names")
-        return result
-
-    def model_versions(self, name: str) -> list[int]:
-        """See `AsyncServer.model_versions`."""
-        result: list[int] = self._sync("model_versions", name)
-        return result
-
-    def output_labels(self, name: str, version: int = -1) -> Mapping[str, Sequence[str]]:
-        """See `AsyncServer.output_labels`."""
-        result: Mapping[str, Sequence[str]] = self._sync("output_labels", name, version)
-        return result
-
-    def is_decoupled(self, name: str) -> bool:
-        """See `AsyncServer.is_decoupled`."""
-        result: bool = self._sync("is_decoupled", name)
-        return result
-
-    def use_model_control(self, control: ModelControlCalls | None) -> None:
-        """See `AsyncServer.use_model_control`."""
-        self._sync("use_model_control", control)
-
-    @property
-    def model_repository(self) -> Path | None:
-        """See `AsyncServer.model_repository`."""
-        return self._server.model_repository if self._server is not None else None
-
-    def is_model_ready(self, name: str, version: int = -1) -> bool:
-        """See `AsyncServer.is_model_ready`."""
-        result: bool = self._sync("is_model_ready", name, version)
-        return result
-
-    def model_ready(self, name: str, version: int = -1) -> bool:
-        """See `AsyncServer.model_ready`."""
-        result: bool = self._call("model_ready", name, version)
-        return result
-
-    def load_model(self, model: str | Model | Sequence[Model]) -> None:
-        """See `AsyncServer.load_model`."""
-        self._call("load_model", model)
-
-    def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
-        """See `AsyncServer.unload_model`."""
-        self._call("unload_model", name, unload_dependents=unload_dependents)
+    # The rest are AsyncServer's methods, declared there once: each runs on the server's
+    # thread, awaited or called there, and is answered here.
+    model_statistics = _on_loop(AsyncServer.model_statistics)
+    metrics_text = _on_loop(AsyncServer.metrics_text)
+    cache_statistics = _on_loop(AsyncServer.cache_statistics)
+    step_statistics = _on_loop(AsyncServer.step_statistics)
+    cache_tier_link = _on_loop(AsyncServer.cache_tier_link)
+    model_config = _on_loop(AsyncServer.model_config)
+    model_names = _on_loop(AsyncServer.model_names)
+    model_versions = _on_loop(AsyncServer.model_versions)
+    output_labels = _on_loop(AsyncServer.output_labels)
+    is_decoupled = _on_loop(AsyncServer.is_decoupled)
+    use_model_control = _on_loop(AsyncServer.use_model_control)
+    is_model_ready = _on_loop(AsyncServer.is_model_ready)
+    model_ready = _awaited(AsyncServer.model_ready)
+    load_model = _awaited(AsyncServer.load_model)
+    unload_model = _awaited(AsyncServer.unload_model)
 
 
 async def _run_sync(fn: functools.partial[Any]) -> Any:
