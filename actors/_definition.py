@@ -1,20 +1,19 @@
-"""What a model is before it runs: its config and its code (the ``model.py`` contract).
+"""A model's checks before it runs, and its execution and fusion modes.
 
-A `Model` comes either from a repository folder (``<model>/<version>/model.py``, see
-``_repository.py``) or straight from Python. `check_model` enforces the ``model.py`` contract
-(one ``execute`` parameter per config input, by name; ``params`` first when ``initialize``
-is defined; ``state`` for a stateful model; a generator exactly when the model is decoupled)
-and asks the model's backend what its code cannot do there (``orchestrion.backends``), at
-load time, so that mistakes surface as a `ConfigError` naming the file, not as a confusing
-failure on the first request.
+A `Model` (``orchestrion.protocols``) comes either from a repository folder
+(``<model>/<version>/model.py``, see ``_repository.py``) or straight from Python.
+`check_model` checks what holds for every model (a positive version, labels of outputs, an
+ensemble without code, a backend orchestrion has) and asks the model's backend what its code
+cannot do there (``orchestrion.backends``: the ``model.py`` contract of a Python function is
+the function backends', ``contract_problems``), at load time, so that mistakes surface as a
+`ConfigError` naming the file, not as a confusing failure on the first request.
 """
 
 from __future__ import annotations
 
 import enum
-import inspect
 
-from ..backends import model_problems
+from ..backends import contract_problems, model_problems
 from ..protocols import (
     INITIAL_STATE_FOLDER,
     ONNX_BACKEND,
@@ -98,8 +97,7 @@ def check_model(model: Model) -> list[str]:
             "sequence's state through execute (a state parameter, (outputs, new_state) back)"
         ]
     errors = model_problems(model, where, in_config) + _mode_problems(model, in_config)
-    errors += _kind_problems(model, where, in_config)
-    return errors + _parameter_problems(model, where)
+    return errors + contract_problems(model, where, in_config)
 
 
 def _onnx_problems(model: Model, where: str, in_config: str) -> list[str]:
@@ -118,35 +116,6 @@ def _onnx_problems(model: Model, where: str, in_config: str) -> list[str]:
             f"'{model.config.backend}'"
         ]
     return model_problems(model, where, in_config) + _mode_problems(model, in_config)
-
-
-def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
-    """What the config says the model is (decoupled, stateful, batching) against its code."""
-    config = model.config
-    errors = []
-    generator = inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(
-        model.execute
-    )
-    if generator and not config.decoupled:
-        errors.append(
-            f"{where}: execute is a generator, which is how decoupled models respond; set "
-            "model_transaction_policy { decoupled: true } in the config"
-        )
-    if config.decoupled and not generator:
-        errors.append(
-            f"{where}: a decoupled model's execute is a generator: yield each response "
-            "(zero or more), instead of returning one"
-        )
-    if config.decoupled and config.stateful:
-        errors.append(f"{in_config}: a decoupled model cannot also be stateful")
-    stateful = config.stateful
-    if stateful and config.dynamic_batching is not None:
-        errors.append(f"{in_config}: sequence_batching and dynamic_batching exclude each other")
-    if model.initial_state is not None and not stateful:
-        errors.append(
-            f"{where}: initial_state is for stateful models; the config has no sequence_batching"
-        )
-    return errors
 
 
 def _initial_state_problems(model: Model, in_config: str) -> list[str]:
@@ -170,66 +139,3 @@ def _initial_state_problems(model: Model, in_config: str) -> list[str]:
         if problem is not None:
             problems.append(problem)
     return problems
-
-
-def _parameter_problems(model: Model, where: str) -> list[str]:
-    """``execute``'s parameters against the config's inputs (params and state first)."""
-    config = model.config
-    stateful = config.stateful
-    errors: list[str] = []
-    try:
-        signature = inspect.signature(model.execute)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return errors
-    params = list(signature.parameters.values())
-    inputs = {t.name for t in config.input}
-    if model.initialize is not None:
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if not positional or positional[0].name in inputs:
-            errors.append(
-                f"{where}: initialize is defined, so execute receives its params first: "
-                f"execute(params, {', '.join(t.name for t in config.input)})"
-            )
-            return errors
-        params.remove(positional[0])
-    params = [p for p in params if p.name != "request"]
-    if stateful:
-        if "state" not in {p.name for p in params}:
-            errors.append(
-                f"{where}: a stateful model (sequence_batching) receives its sequence's state: "
-                f"execute({'params, ' if model.initialize else ''}state, "
-                f"{', '.join(t.name for t in config.input)}) -> (outputs, new_state)"
-            )
-        params = [p for p in params if p.name != "state"]
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return errors
-    accepted = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-    missing = sorted(inputs - accepted)
-    if missing:
-        errors.append(
-            f"{where}: execute has no parameter for inputs {', '.join(missing)} "
-            "(one parameter per config input, by name)"
-        )
-    required = sorted(
-        p.name
-        for p in params
-        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,) and p.name not in inputs
-    )
-    if required:
-        errors.append(
-            f"{where}: execute requires parameters that are not config inputs: "
-            + ", ".join(required)
-        )
-    optional_without_default = sorted(
-        t.name
-        for t in config.input
-        if t.optional
-        and t.name in signature.parameters
-        and signature.parameters[t.name].default is inspect.Parameter.empty
-    )
-    if optional_without_default:
-        errors.append(
-            f"{where}: optional inputs need a default value in execute: "
-            + ", ".join(optional_without_default)
-        )
-    return errors

@@ -19,6 +19,7 @@ from ._base import ServerCalls as ServerCalls
 from ._function import host_tensors as host_tensors
 from ._function import import_code_file as import_code_file
 from ._function import response_on_host as response_on_host
+from ._function_contract import contract_problems as contract_problems
 from ._kinds import KINDS as KINDS
 from ._kinds import BackendKind as BackendKind
 from ._kinds import backend_for as backend_for
