@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -26,7 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 import trio
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from ._server import AsyncServer, refuse_other_loops
+from ._server import AsyncServer, forwarding, refuse_other_loops
 from ._server import open_server as open_trio_server
 from .actors import Model
 from .backends import TrioBridge, call_sync
@@ -53,7 +52,7 @@ def _awaited(
         result: R = await self._call(functools.partial(method, self._server, *args, **kwargs))
         return result
 
-    return _like(call, method)
+    return forwarding(call, method, "AioServer")
 
 
 def _on_loop(
@@ -65,18 +64,7 @@ def _on_loop(
     async def call(self: AioServer, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._sync(functools.partial(method, self._server, *args, **kwargs))
 
-    return _like(call, method)
-
-
-def _like(
-    call: Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]], method: Any
-) -> Callable[Concatenate[AioServer, P], Coroutine[Any, Any, R]]:
-    """``call`` named, documented and signed as ``method``."""
-    call.__name__ = method.__name__
-    call.__qualname__ = f"AioServer.{method.__name__}"
-    call.__doc__ = method.__doc__
-    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-    return call
+    return forwarding(call, method, "AioServer")
 
 
 class AioServer:

@@ -10,7 +10,6 @@ them from ``asyncio.to_thread`` without blocking its own loop.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -22,7 +21,7 @@ import anyio.from_thread
 import sniffio
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from ._server import AsyncServer, open_server
+from ._server import AsyncServer, forwarding, open_server
 from .actors import Model
 from .protocols import (
     InferResponse,
@@ -44,7 +43,7 @@ def _awaited(
         server, portal = self._opened()
         return portal.call(functools.partial(method, server, *args, **kwargs))
 
-    return _like(call, method)
+    return forwarding(call, method, "Server")
 
 
 def _on_loop(
@@ -58,18 +57,7 @@ def _on_loop(
         result: R = portal.call(_run_sync, functools.partial(method, server, *args, **kwargs))
         return result
 
-    return _like(call, method)
-
-
-def _like(
-    call: Callable[Concatenate[Server, P], R], method: Any
-) -> Callable[Concatenate[Server, P], R]:
-    """``call`` named, documented and signed as ``method``."""
-    call.__name__ = method.__name__
-    call.__qualname__ = f"Server.{method.__name__}"
-    call.__doc__ = method.__doc__
-    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-    return call
+    return forwarding(call, method, "Server")
 
 
 class Server:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack
 
 import attrs
 import sniffio
@@ -475,3 +476,16 @@ async def _open_models(
             raise
         # Leaving normally: requests still running (from other tasks) finish first.
         await registry.close()
+
+
+Forwarder = TypeVar("Forwarder", bound=Callable[..., Any])
+
+
+def forwarding(call: Forwarder, method: Callable[..., Any], face: str) -> Forwarder:
+    """``call``, a face's forwarder to `AsyncServer`'s ``method``, named, documented and
+    signed as ``method`` (``face``: the class it belongs to, ``Server`` or ``AioServer``)."""
+    call.__name__ = method.__name__
+    call.__qualname__ = f"{face}.{method.__name__}"
+    call.__doc__ = method.__doc__
+    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    return call
