@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .protocols import DataType as DataType
     from .protocols import EnsembleScheduling as EnsembleScheduling
     from .protocols import EnsembleStep as EnsembleStep
+    from .protocols import Function as Function
     from .protocols import InferenceError as InferenceError
     from .protocols import InferenceTimeoutError as InferenceTimeoutError
     from .protocols import InferRequest as InferRequest
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .protocols import ModelReportedError as ModelReportedError
     from .protocols import ModelStatistics as ModelStatistics
     from .protocols import Observer as Observer
+    from .protocols import OnnxGraph as OnnxGraph
     from .protocols import OrchestrionError as OrchestrionError
     from .protocols import QueueFullError as QueueFullError
     from .protocols import QueueTimeoutError as QueueTimeoutError
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from .protocols import StepRefusedError as StepRefusedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
+    from .protocols import TritonClass as TritonClass
 
 __version__ = "0.1.0.dev0"
 
@@ -67,6 +70,7 @@ _WHERE = {
             "DataType",
             "EnsembleScheduling",
             "EnsembleStep",
+            "Function",
             "InferenceError",
             "InferenceTimeoutError",
             "InferRequest",
@@ -81,6 +85,7 @@ _WHERE = {
             "ModelReportedError",
             "ModelStatistics",
             "Observer",
+            "OnnxGraph",
             "OrchestrionError",
             "QueueFullError",
             "QueueTimeoutError",
@@ -89,6 +94,7 @@ _WHERE = {
             "StepRefusedError",
             "StepStatistics",
             "TensorConfig",
+            "TritonClass",
         )
     },
 }

@@ -30,6 +30,8 @@ from ..protocols import (
     ConfigError,
     Model,
     ModelConfig,
+    OnnxGraph,
+    TritonClass,
     VersionPolicy,
     parse_model_config,
 )
@@ -320,8 +322,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         return _checked(
             Model(
                 config=config,
-                triton_model=triton_model,
-                jit=False,
+                code=TritonClass(triton_model),
                 version=version,
                 source=str(path),
                 config_source=config_source,
@@ -378,7 +379,7 @@ def _onnx_model(
             config=complete_onnx_config(
                 entry.config, path, config_source, complete=entry.auto_complete
             ),
-            onnx=path,
+            code=OnnxGraph(path),
             version=version,
             source=str(path),
             config_source=config_source,

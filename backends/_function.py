@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from ..protocols import (
+    Function,
     InferRequest,
     InferResponse,
     InstanceKind,
@@ -167,12 +168,20 @@ def placement_problems(model: Model, in_config: str) -> list[str]:
     return []
 
 
+def function_of(model: Model) -> Function:
+    """``model``'s code, a `Function` (the function backends run no other kind)."""
+    code = model.code
+    if not isinstance(code, Function):
+        raise TypeError(f"model '{model.name}' has no Python function to run: {code!r}")
+    return code
+
+
 def takes_request(model: Model) -> bool:
     """Whether ``execute`` asks for the request's metadata (a ``request`` parameter)."""
-    if model.execute is None:
+    if not isinstance(model.code, Function):
         return False
     try:
-        return "request" in inspect.signature(model.execute).parameters
+        return "request" in inspect.signature(model.code.execute).parameters
     except (TypeError, ValueError):
         return False
 
@@ -181,21 +190,22 @@ class FunctionBackend(Backend):
     """A model whose code is ``execute`` (and optionally ``initialize``, ``initial_state``)."""
 
     def __init__(self, model: Model, fn: Callable[..., Any]) -> None:
-        assert model.execute is not None
         self.model = model
+        self.code = function_of(model)
         self.config = model.config
         self._fn = fn
-        self._with_params = model.initialize is not None
+        self._with_params = self.code.initialize is not None
         self._stateful = model.config.stateful
         self._takes_request = takes_request(model)
 
     def _instance(self, index: int, device: Any) -> LoadedInstance:
         """Run ``initialize`` for one instance and place what it returned."""
         model = self.model
+        initialize = self.code.initialize
         params = None
-        if model.initialize is not None:
+        if initialize is not None:
             try:
-                params = self._place(model.initialize(model.config), device)
+                params = self._place(initialize(model.config), device)
             except Exception as exc:
                 raise ModelLoadError(
                     f"{model.source} (model '{model.name}'): initialize failed: "
@@ -266,7 +276,7 @@ class FunctionBackend(Backend):
 
     def initial_state(self) -> Any:
         """``initial_state(config)``, or None when the model defines none."""
-        make = self.model.initial_state
+        make = self.code.initial_state
         return make(self.model.config) if make is not None else None
 
 

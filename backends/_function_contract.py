@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import inspect
 
-from ..protocols import Model
+from ..protocols import Function, Model, sequence_tensor_names
 
 
 def contract_problems(model: Model, where: str, in_config: str) -> list[str]:
     """The ways ``model``'s ``execute`` breaks the contract (empty when it keeps it):
     ``where`` names the code, ``in_config`` the config, in the messages."""
-    return _kind_problems(model, where, in_config) + _parameter_problems(model, where)
+    code = model.code
+    assert isinstance(code, Function)
+    if sequence_tensor_names(model.config):
+        return [
+            f"{in_config}: sequence_batching control_input and state are for Triton's "
+            "backends (ONNX and python models): a model.py with execute receives its "
+            "sequence's state through execute (a state parameter, (outputs, new_state) back)"
+        ]
+    return _kind_problems(model, code, where, in_config) + _parameter_problems(model, code, where)
 
 
-def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
+def _kind_problems(model: Model, code: Function, where: str, in_config: str) -> list[str]:
     """What the config says the model is (decoupled, stateful, batching) against its code."""
     config = model.config
     errors = []
-    generator = inspect.isgeneratorfunction(model.execute) or inspect.isasyncgenfunction(
-        model.execute
+    generator = inspect.isgeneratorfunction(code.execute) or inspect.isasyncgenfunction(
+        code.execute
     )
     if generator and not config.decoupled:
         errors.append(
@@ -39,25 +47,25 @@ def _kind_problems(model: Model, where: str, in_config: str) -> list[str]:
     stateful = config.stateful
     if stateful and config.dynamic_batching is not None:
         errors.append(f"{in_config}: sequence_batching and dynamic_batching exclude each other")
-    if model.initial_state is not None and not stateful:
+    if code.initial_state is not None and not stateful:
         errors.append(
             f"{where}: initial_state is for stateful models; the config has no sequence_batching"
         )
     return errors
 
 
-def _parameter_problems(model: Model, where: str) -> list[str]:
+def _parameter_problems(model: Model, code: Function, where: str) -> list[str]:
     """``execute``'s parameters against the config's inputs (params and state first)."""
     config = model.config
     stateful = config.stateful
     errors: list[str] = []
     try:
-        signature = inspect.signature(model.execute)  # type: ignore[arg-type]
+        signature = inspect.signature(code.execute)
     except (TypeError, ValueError):
         return errors
     params = list(signature.parameters.values())
     inputs = {t.name for t in config.input}
-    if model.initialize is not None:
+    if code.initialize is not None:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not positional or positional[0].name in inputs:
             errors.append(
@@ -71,7 +79,7 @@ def _parameter_problems(model: Model, where: str) -> list[str]:
         if "state" not in {p.name for p in params}:
             errors.append(
                 f"{where}: a stateful model (sequence_batching) receives its sequence's state: "
-                f"execute({'params, ' if model.initialize else ''}state, "
+                f"execute({'params, ' if code.initialize else ''}state, "
                 f"{', '.join(t.name for t in config.input)}) -> (outputs, new_state)"
             )
         params = [p for p in params if p.name != "state"]

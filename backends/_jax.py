@@ -35,7 +35,7 @@ from ..protocols import (
     bytes_tensors,
 )
 from ._base import Capabilities, LoadedInstance
-from ._function import FunctionBackend, placement_problems, takes_request
+from ._function import FunctionBackend, function_of, placement_problems, takes_request
 
 if TYPE_CHECKING:
     from ..protocols import Model
@@ -86,8 +86,7 @@ class JaxBackend(FunctionBackend):
     """``execute`` under ``jax.jit``, its instances placed on JAX devices."""
 
     def __init__(self, model: Model) -> None:
-        assert model.execute is not None
-        super().__init__(model, jax.jit(model.execute))
+        super().__init__(model, jax.jit(function_of(model).execute))
         config = model.config
         batching = config.dynamic_batching is not None and config.max_batch_size > 0
         self._wide = bool(wide_tensors(config))
@@ -176,8 +175,7 @@ class JaxBackend(FunctionBackend):
 
     def traceable(self) -> Callable[..., Mapping[str, Any]]:
         """``fn(params, **inputs)``: ``execute`` itself, not its compiled form."""
-        execute = self.model.execute
-        assert execute is not None
+        execute = self.code.execute
         if self._with_params:
             return execute
 
@@ -238,7 +236,7 @@ class JaxBackend(FunctionBackend):
 def jax_problems(model: Model, where: str, in_config: str) -> list[str]:
     """Why ``model``'s code cannot run under ``jax.jit`` (empty: it can)."""
     config = model.config
-    execute = model.execute
+    execute = function_of(model).execute
     errors = placement_problems(model, in_config)
     generator = inspect.isgeneratorfunction(execute) or inspect.isasyncgenfunction(execute)
     if generator and config.decoupled:  # not decoupled: the contract's own error says why

@@ -1,5 +1,6 @@
-"""The one table of model code kinds: which `Model` each backend runs, the backend's class,
-and its load-time checks. A new backend is its module and one row here."""
+"""The one table of model code kinds: which `ModelCode` each backend runs, the backend's class,
+and its load-time checks. A new backend is its module and one row here; `model_problems` is
+every check a model's code gets, whatever its kind (the runtime adds none of its own)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,21 @@ from collections.abc import Callable
 
 import attrs
 
-from ..protocols import Model
+from ..protocols import (
+    INITIAL_STATE_FOLDER,
+    ONNX_BACKEND,
+    ONNX_PLATFORM,
+    OWN_BACKENDS,
+    Function,
+    Model,
+    OnnxGraph,
+    SequenceTensors,
+    TritonClass,
+    initial_state_problem,
+    sequence_problems,
+)
 from ._base import Backend, ServerCalls
+from ._function_contract import contract_problems
 from ._jax import JaxBackend, jax_problems
 from ._onnx import OnnxBackend, onnx_problems
 from ._python import PythonBackend, python_problems
@@ -21,34 +35,48 @@ Problems = Callable[[Model, str, str], list[str]]
 
 @attrs.frozen
 class BackendKind:
-    """One kind of model code."""
+    """One kind of model code and the backend that runs it."""
 
     name: str
-    runs: Callable[[Model], bool]
-    """Whether this kind runs ``model`` (the first row that says so does)."""
+    code: type
+    """The `ModelCode` kind it runs."""
     backend: Callable[[Model, ServerCalls | None], Backend]
     problems: Problems
+    runs: Callable[[Model], bool] = lambda _: True
+    """Of the models with code of its kind, whether it runs ``model`` (the first row whose
+    kind and test match does)."""
     reschedules: bool = False
     """Its code can reschedule requests (``sequence_batching { iterative_sequence }``)."""
+    takes_states: bool = False
+    """Its code takes a sequence's control inputs and implicit states as tensors (their
+    ``initial_state`` data files are checked)."""
+    chooses_execution: bool = True
+    """The runtime's ``execution`` parameter (inline, thread) applies to it."""
+
+
+def _jitted(model: Model) -> bool:
+    return isinstance(model.code, Function) and model.code.jit
 
 
 KINDS = (
     BackendKind(
         "triton_python",
-        lambda m: m.triton_model is not None,
+        TritonClass,
         TritonPythonBackend,
         triton_problems,
         reschedules=True,
+        takes_states=True,
+        chooses_execution=False,
     ),
-    BackendKind("onnx", lambda m: m.onnx is not None, lambda m, _: OnnxBackend(m), onnx_problems),
-    BackendKind("jax", lambda m: m.jit, lambda m, _: JaxBackend(m), jax_problems),
-    BackendKind("python", lambda m: True, lambda m, _: PythonBackend(m), python_problems),
+    BackendKind("onnx", OnnxGraph, lambda m, _: OnnxBackend(m), onnx_problems, takes_states=True),
+    BackendKind("jax", Function, lambda m, _: JaxBackend(m), jax_problems, runs=_jitted),
+    BackendKind("python", Function, lambda m, _: PythonBackend(m), python_problems),
 )
 
 
 def kind_of(model: Model) -> BackendKind:
-    """The kind of ``model``'s code (a model, not an ensemble)."""
-    return next(kind for kind in KINDS if kind.runs(model))
+    """The kind of ``model``'s code (a model with code, not an ensemble)."""
+    return next(k for k in KINDS if isinstance(model.code, k.code) and k.runs(model))
 
 
 def backend_for(model: Model, calls: ServerCalls | None = None) -> Backend:
@@ -58,13 +86,64 @@ def backend_for(model: Model, calls: ServerCalls | None = None) -> Backend:
 
 
 def model_problems(model: Model, where: str, in_config: str) -> list[str]:
-    """The ways ``model``'s code cannot run on its backend (empty when it can): ``where``
-    names the code, ``in_config`` the config, in the messages."""
+    """The ways ``model``'s code cannot run on its backend (empty when it can): its kind
+    against what its config names, then its kind's own checks. ``where`` names the code,
+    ``in_config`` the config, in the messages."""
+    config = model.config
+    code = model.code
+    if config.backend not in OWN_BACKENDS and not isinstance(code, TritonClass):
+        return [
+            f"{in_config}: backend '{config.backend}' is not supported (orchestrion runs "
+            "Python/JAX models: backend 'python', 'jax' or empty; ONNX models: "
+            f"'{ONNX_BACKEND}'; a python-based backend's TritonPythonModel: triton_model, "
+            "or a repository's model with --backend-directory)"
+        ]
+    if config.is_onnx and not isinstance(code, OnnxGraph | TritonClass):
+        return [
+            f"{where}: platform '{config.platform or ONNX_PLATFORM}' runs an ONNX graph: "
+            "give it (Model(onnx=path or bytes), or a <version>/model.onnx in a repository)"
+        ]
+    if isinstance(code, OnnxGraph) and not config.is_onnx:
+        return [
+            f"{in_config}: an ONNX model's config has platform '{ONNX_PLATFORM}' (or backend "
+            f"'{ONNX_BACKEND}'), not platform '{config.platform}' and backend "
+            f"'{config.backend}'"
+        ]
+    if code is None:
+        return [f"{where}: defines no execute function"]
     kind = kind_of(model)
     problems = []
-    if model.config.iterative and not kind.reschedules:
+    if config.iterative and not kind.reschedules:
         problems.append(
             f"{in_config}: sequence_batching iterative_sequence is for python-backend models "
             "(a TritonPythonModel reschedules its requests); this model cannot"
         )
-    return problems + kind.problems(model, where, in_config)
+    problems += kind.problems(model, where, in_config)
+    if isinstance(code, Function):
+        problems += contract_problems(model, where, in_config)
+    if kind.takes_states:
+        problems += _initial_state_problems(model, in_config)
+    return problems
+
+
+def _initial_state_problems(model: Model, in_config: str) -> list[str]:
+    """Each state's ``initial_state`` ``data_file``: given, and of the right size."""
+    config = model.config
+    if config.sequence_batching is None or sequence_problems(config):
+        return []  # the config's own problems are reported with the config
+    problems = []
+    for state in SequenceTensors.of(config).states:
+        if not state.data_file:
+            continue
+        data = model.initial_states.get(state.input_name)
+        if data is None:
+            problems.append(
+                f"{in_config}: state '{state.input_name}': its initial_state data_file "
+                f"'{state.data_file}' was not given (a repository's model reads it from "
+                f"{INITIAL_STATE_FOLDER}/{state.data_file} in its folder)"
+            )
+            continue
+        problem = initial_state_problem(state, data, in_config)
+        if problem is not None:
+            problems.append(problem)
+    return problems

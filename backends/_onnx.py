@@ -43,6 +43,7 @@ from ..protocols import (
     InstanceKind,
     ModelConfig,
     ModelLoadError,
+    OnnxGraph,
     Tensors,
     apply_reshape,
     model_facing,
@@ -247,11 +248,12 @@ class OnnxBackend(Backend):
     """An ONNX graph run by ONNX Runtime: one ``InferenceSession`` per instance."""
 
     def __init__(self, model: Model) -> None:
-        assert model.onnx is not None
+        code = model.code
+        assert isinstance(code, OnnxGraph)
         self.model = model
         # What the graph sees: a sequence batcher's control and state tensors too.
         self.config = config = model_facing(model.config)
-        self._graph: Path | bytes = model.onnx
+        self._graph: Path | bytes = code.graph
         stateful = config.stateful
         batched = config.dynamic_batching is not None or stateful
         self.capabilities = Capabilities(

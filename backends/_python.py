@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from ._base import Capabilities, LoadedInstance
-from ._function import FunctionBackend, host_outputs, on_host, placement_problems
+from ._function import FunctionBackend, function_of, host_outputs, on_host, placement_problems
 
 if TYPE_CHECKING:
     from ..protocols import Model
@@ -35,10 +35,9 @@ class PythonBackend(FunctionBackend):
     """``execute`` as plain Python: sync, async, or a (async) generator for streams."""
 
     def __init__(self, model: Model) -> None:
-        assert model.execute is not None
-        super().__init__(model, model.execute)
+        execute = function_of(model).execute
+        super().__init__(model, execute)
         config = model.config
-        execute = model.execute
         self.capabilities = Capabilities(
             is_async=inspect.iscoroutinefunction(execute),
             streaming=config.decoupled,

@@ -45,6 +45,7 @@ from ..protocols import (
     ModelReportedError,
     OrchestrionError,
     ServerClosedError,
+    TritonClass,
 )
 from ._asyncio_bridge import TrioBridge
 from ._base import ServerCalls
@@ -470,7 +471,8 @@ def _code_texts(model: Model) -> list[str] | None:
         if source.endswith(".py"):
             folder = Path(source).parent
             return [p.read_text(errors="replace") for p in sorted(folder.rglob("*.py"))]
-        return [inspect.getsource(model.triton_model)]  # type: ignore[arg-type]
+        code = model.code
+        return [inspect.getsource(code.model_class)] if isinstance(code, TritonClass) else None
     except (OSError, TypeError):
         return None
 

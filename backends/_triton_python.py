@@ -42,6 +42,7 @@ from ..protocols import (
     ModelLoadError,
     ServerClosedError,
     Tensors,
+    TritonClass,
     apply_reshape,
     model_facing,
     ungrouped,
@@ -89,10 +90,11 @@ class TritonPythonBackend(Backend):
     ``finalize()``."""
 
     def __init__(self, model: Model, calls: ServerCalls | None) -> None:
-        assert model.triton_model is not None
+        code = model.code
+        assert isinstance(code, TritonClass)
         self.model = model
         self.config = config = model.config
-        self._class: type = model.triton_model
+        self._class: type = code.model_class
         self._calls = calls
         self._async = inspect.iscoroutinefunction(getattr(self._class, "execute", None))
         decoupled = config.decoupled
@@ -462,7 +464,7 @@ def model_folder(model: Model) -> Path | None:
 
 def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
     """Why ``model``'s class cannot run as a Triton python model (empty: it can)."""
-    cls = model.triton_model
+    cls = model.code.model_class if isinstance(model.code, TritonClass) else None
     errors = placement_problems(model, in_config)
     execute = getattr(cls, "execute", None)
     if not callable(execute):

@@ -190,13 +190,10 @@ def batching_models() -> list[orchestrion.Model]:
         changes: dict[str, Any] = {"max_batch_size": BATCH, "input": inputs, "output": outputs}
         if name in functions:
             changes["dynamic_batching"] = DynamicBatching()
-        models.append(
-            attrs.evolve(
-                model,
-                config=attrs.evolve(config, **changes),
-                execute=functions.get(name, model.execute),
-            )
-        )
+        code = model.code
+        if name in functions and isinstance(code, orchestrion.Function):
+            code = attrs.evolve(code, execute=functions[name])
+        models.append(attrs.evolve(model, config=attrs.evolve(config, **changes), code=code))
     return models
 
 

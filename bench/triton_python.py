@@ -105,7 +105,7 @@ def _copy(server: orchestrion.AsyncServer, name: str, execution: str) -> orchest
         name=f"{name}_{execution}",
         parameters={**loaded.config.parameters, "execution": execution},
     )
-    return orchestrion.Model(config=config, triton_model=loaded.triton_model)
+    return orchestrion.Model(config=config, code=loaded.code)
 
 
 def _backend_us(dtype: str, seconds: float) -> float:

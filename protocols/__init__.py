@@ -110,7 +110,11 @@ from ._messages import Tensors as Tensors
 from ._messages import carried as carried
 from ._messages import parameters_of as parameters_of
 from ._messages import sent_final as sent_final
+from ._model import Function as Function
 from ._model import Model as Model
+from ._model import ModelCode as ModelCode
+from ._model import OnnxGraph as OnnxGraph
+from ._model import TritonClass as TritonClass
 from ._model_load import CONFIG_SOURCE as CONFIG_SOURCE
 from ._model_load import DEFAULT_MAX_UPLOAD_SIZE as DEFAULT_MAX_UPLOAD_SIZE
 from ._model_load import LoadOverride as LoadOverride

@@ -1,7 +1,9 @@
-"""A model's definition as data: its config and the code that runs it (a Python function, a
-Triton python-backend class or an ONNX graph), with what identifies it (version, revision)
-and the files read beside it (labels, initial states). The runtime (``orchestrion.actors``)
-runs it; the backends (``orchestrion.backends``) read it; neither owns it."""
+"""A model's definition as data: its config and the code that runs it, as one of a union of
+small frozen kinds (`Function`: a Python function, `TritonClass`: a Triton python-backend
+class, `OnnxGraph`: an ONNX graph), with what identifies it (version, revision) and the files
+read beside it (labels, initial states). The runtime (``orchestrion.actors``) runs it; the
+backends (``orchestrion.backends``) read it, each the kind it registers
+(``backends/_kinds.py``); neither owns it."""
 
 from __future__ import annotations
 
@@ -13,14 +15,89 @@ from typing import Any
 import attrs
 
 from ._config import ModelConfig
+from ._errors import ConfigError
 
 
-@attrs.define(eq=False)
+@attrs.frozen
+class Function:
+    """A model's code as Python functions (a ``model.py`` with ``execute``)."""
+
+    execute: Callable[..., Any]
+    """``execute([params,] INPUT0, ...) -> {"OUTPUT0": array, ...}`` (see `Model`)."""
+    initialize: Callable[[ModelConfig], Any] | None = None
+    """``initialize(config) -> params``, run once per instance."""
+    initial_state: Callable[[ModelConfig], Any] | None = None
+    """``initial_state(config) -> state``, a stateful model's state at a sequence's start."""
+    jit: bool = True
+    """Compile ``execute`` with ``jax.jit``; False runs it as plain Python."""
+
+
+@attrs.frozen
+class TritonClass:
+    """A model's code as a Triton python-backend class (``TritonPythonModel``)."""
+
+    model_class: type
+
+
+@attrs.frozen
+class OnnxGraph:
+    """A model's code as an ONNX graph: its ``.onnx`` file's path or bytes."""
+
+    graph: Path | bytes = attrs.field(repr=False)
+
+
+ModelCode = Function | TritonClass | OnnxGraph
+"""The kinds of model code; each backend runs one (``backends/_kinds.py``)."""
+
+
+def _code_of(
+    where: str,
+    execute: Callable[..., Any] | None,
+    initialize: Callable[[ModelConfig], Any] | None,
+    initial_state: Callable[[ModelConfig], Any] | None,
+    jit: bool,
+    triton_model: type | None,
+    onnx: Path | bytes | None,
+) -> ModelCode | None:
+    """The one kind of code `Model`'s keyword arguments give (None: no code).
+
+    Raises:
+        ConfigError: they give more than one kind.
+    """
+    function = execute is not None or initialize is not None or initial_state is not None
+    given = [
+        name
+        for name, present in (
+            ("execute/initialize/initial_state", function),
+            ("triton_model", triton_model is not None),
+            ("onnx", onnx is not None),
+        )
+        if present
+    ]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{where}: a model's code is one kind: a Python function (execute), a Triton "
+            f"python class (triton_model) or an ONNX graph (onnx); got {' and '.join(given)}"
+        )
+    if triton_model is not None:
+        return TritonClass(triton_model)
+    if onnx is not None:
+        return OnnxGraph(onnx)
+    if not function:
+        return None
+    if execute is None or not callable(execute):
+        raise ConfigError(f"{where}: defines no execute function")
+    return Function(execute, initialize, initial_state, jit)
+
+
+@attrs.frozen(eq=False, init=False)
 class Model:
     """A model (or ensemble) definition: a config plus, for models, the code that runs it.
 
     Args:
         config: the model's configuration (``platform="ensemble"`` for an ensemble).
+        code: the code that runs it, as one of `ModelCode`'s kinds (None for an ensemble);
+            or give it by the keyword arguments below, one kind only.
         execute: ``execute([params,] INPUT0, INPUT1, ...) -> {"OUTPUT0": array, ...}``, one
             argument per config input, by name. Ensembles have none. May be an ``async def``
             (then ``jit`` must be False).
@@ -63,20 +140,62 @@ class Model:
     """
 
     config: ModelConfig
-    execute: Callable[..., Any] | None = None
-    initialize: Callable[[ModelConfig], Any] | None = None
-    initial_state: Callable[[ModelConfig], Any] | None = None
-    jit: bool = True
-    triton_model: type | None = None
-    onnx: Path | bytes | None = attrs.field(default=None, repr=False)
-    version: int = 1
-    source: str = "<python>"
-    config_source: str = "<python>"
+    code: ModelCode | None
+    version: int
+    source: str
+    config_source: str
     """Where the config came from (its ``config.pbtxt``), for error messages."""
-    revision: str = attrs.field(factory=lambda: secrets.token_hex(16))
-    labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
-    initial_states: Mapping[str, bytes] = attrs.field(factory=dict, repr=False)
-    directory: Path | None = None
+    revision: str
+    labels: Mapping[str, Sequence[str]]
+    initial_states: Mapping[str, bytes] = attrs.field(repr=False)
+    directory: Path | None
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        execute: Callable[..., Any] | None = None,
+        initialize: Callable[[ModelConfig], Any] | None = None,
+        initial_state: Callable[[ModelConfig], Any] | None = None,
+        jit: bool = True,
+        triton_model: type | None = None,
+        onnx: Path | bytes | None = None,
+        *,
+        code: ModelCode | None = None,
+        version: int = 1,
+        source: str = "<python>",
+        config_source: str = "<python>",
+        revision: str | None = None,
+        labels: Mapping[str, Sequence[str]] | None = None,
+        initial_states: Mapping[str, bytes] | None = None,
+        directory: Path | None = None,
+    ) -> None:
+        """Raises `ConfigError` where ``code`` and the code's keyword arguments give more
+        than one kind of code."""
+        made = _code_of(
+            f"{source} (model '{config.name}')",
+            execute,
+            initialize,
+            initial_state,
+            jit,
+            triton_model,
+            onnx,
+        )
+        if made is not None and code is not None:
+            raise ConfigError(
+                f"{source} (model '{config.name}'): give its code once, as code= or by "
+                "execute/triton_model/onnx"
+            )
+        self.__attrs_init__(
+            config=config,
+            code=code if code is not None else made,
+            version=version,
+            source=source,
+            config_source=config_source,
+            revision=revision if revision is not None else secrets.token_hex(16),
+            labels=labels if labels is not None else {},
+            initial_states=initial_states if initial_states is not None else {},
+            directory=directory,
+        )
 
     @property
     def name(self) -> str:

@@ -24,6 +24,7 @@ def test_public_names() -> None:
             "DataType",
             "EnsembleScheduling",
             "EnsembleStep",
+            "Function",
             "InferRequest",
             "InferResponse",
             "InferenceError",
@@ -39,6 +40,7 @@ def test_public_names() -> None:
             "ModelReportedError",
             "ModelStatistics",
             "Observer",
+            "OnnxGraph",
             "OrchestrionError",
             "QueueFullError",
             "QueueTimeoutError",
@@ -50,6 +52,7 @@ def test_public_names() -> None:
             "StepRefusedError",
             "StepStatistics",
             "TensorConfig",
+            "TritonClass",
             "open_server",
         ]
     )

@@ -109,7 +109,9 @@ def test_initialize_params_are_passed_first_and_a_failure_names_the_file() -> No
     def broken(config: Any) -> Any:
         raise RuntimeError("no weights")
 
-    failing = attrs.evolve(m, initialize=broken, source="/models/m/1/model.py")
+    failing = attrs.evolve(
+        m, code=attrs.evolve(m.code, initialize=broken), source="/models/m/1/model.py"
+    )
     with pytest.raises(
         ModelLoadError, match=r"/models/m/1/model.py .* initialize failed: RuntimeError: no weights"
     ):
@@ -167,7 +169,7 @@ def test_a_stateful_models_new_state_is_its_own_copy() -> None:
     m = attrs.evolve(
         m,
         config=attrs.evolve(m.config, sequence_batching=SequenceBatching()),
-        initial_state=lambda config: np.zeros(1, np.float32),
+        code=attrs.evolve(m.code, initial_state=lambda config: np.zeros(1, np.float32)),
     )
     backend = backend_for(m)
     assert backend.capabilities.stateful

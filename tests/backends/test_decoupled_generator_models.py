@@ -148,5 +148,6 @@ def test_contract() -> None:
     assert any("yield each response" in e for e in check_model(not_generator))
     undeclared = model("b", repeat, [tensor("X", dims=(1,))], [tensor("Y", dims=(1,))], jit=False)
     assert any("decoupled: true" in e for e in check_model(undeclared))
-    jitted = attrs.evolve(decoupled("c", repeat), jit=True)
+    plain = decoupled("c", repeat)
+    jitted = attrs.evolve(plain, code=attrs.evolve(plain.code, jit=True))
     assert any("cannot compile a generator" in e for e in check_model(jitted))

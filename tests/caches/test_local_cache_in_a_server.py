@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -631,7 +632,7 @@ async def test_followers_of_a_cancelled_leader_still_get_the_stored_entry(
         return {"Y": X + 1}
 
     m = cached(model("m", execute, [tensor("X")], [tensor("Y")], jit=False))
-    m.revision = "stored"  # the revision the stored entry was made by
+    m = attrs.evolve(m, revision="stored")  # the revision the stored entry was made by
     async with orchestrion.open_server(models=[m], cache_config="gated,x=1") as server:
         async with trio.open_nursery() as nursery:
             leader = trio.CancelScope()

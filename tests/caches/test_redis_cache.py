@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import redis
@@ -40,8 +41,7 @@ def counted(counter: Counter, name: str = "m", revision: str = "r1") -> orchestr
     """The model, as one deploy of it: servers that load it with the same ``revision``
     share its cached answers."""
     m = cached(model(name, counter, [tensor("X")], [tensor("Y")], jit=False))
-    m.revision = revision
-    return m
+    return attrs.evolve(m, revision=revision)
 
 
 def client(server: RedisServer, **kw: Any) -> redis.Redis:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import redis
@@ -45,8 +46,7 @@ class Counter:
 
 def counted(counter: Counter) -> orchestrion.Model:
     m = cached(model("m", counter, [tensor("X")], [tensor("Y")], jit=False))
-    m.revision = "cluster"
-    return m
+    return attrs.evolve(m, revision="cluster")
 
 
 def inputs(first: int, count: int) -> list[np.ndarray]:
