@@ -55,7 +55,7 @@ def _code_of(
     execute: Callable[..., Any] | None,
     initialize: Callable[[ModelConfig], Any] | None,
     initial_state: Callable[[ModelConfig], Any] | None,
-    jit: bool,
+    jit: bool | None,
     triton_model: type | None,
     onnx: Path | bytes | None,
 ) -> ModelCode | None:
@@ -87,7 +87,7 @@ def _code_of(
         return None
     if execute is None or not callable(execute):
         raise ConfigError(f"{where}: defines no execute function")
-    return Function(execute, initialize, initial_state, jit)
+    return Function(execute, initialize, initial_state, True if jit is None else jit)
 
 
 @attrs.frozen(eq=False, init=False)
@@ -106,8 +106,8 @@ class Model:
         initial_state: for a stateful model (``sequence_batching``): ``initial_state(config)
             -> state`` (a pytree), the state a sequence starts with (None when absent).
             ``execute`` then takes a ``state`` parameter and returns ``(outputs, new_state)``.
-        jit: compile ``execute`` with ``jax.jit`` (the default). False runs it as plain
-            Python, for work JAX cannot trace (decoding bytes, strings, I/O).
+        jit: compile ``execute`` with ``jax.jit`` (None: the default, True). False runs it
+            as plain Python, for work JAX cannot trace (decoding bytes, strings, I/O).
         triton_model: a Triton python-backend model class (``TritonPythonModel``: its
             ``initialize(args)``, ``execute(requests)``, ``finalize()``), given instead of
             ``execute``; a repository's ``model.py`` that defines ``TritonPythonModel`` runs
@@ -156,7 +156,7 @@ class Model:
         execute: Callable[..., Any] | None = None,
         initialize: Callable[[ModelConfig], Any] | None = None,
         initial_state: Callable[[ModelConfig], Any] | None = None,
-        jit: bool = True,
+        jit: bool | None = None,
         triton_model: type | None = None,
         onnx: Path | bytes | None = None,
         *,
@@ -169,25 +169,33 @@ class Model:
         initial_states: Mapping[str, bytes] | None = None,
         directory: Path | None = None,
     ) -> None:
-        """Raises `ConfigError` where ``code`` and the code's keyword arguments give more
-        than one kind of code."""
-        made = _code_of(
-            f"{source} (model '{config.name}')",
-            execute,
-            initialize,
-            initial_state,
-            jit,
-            triton_model,
-            onnx,
-        )
-        if made is not None and code is not None:
-            raise ConfigError(
-                f"{source} (model '{config.name}'): give its code once, as code= or by "
-                "execute/triton_model/onnx"
-            )
+        """Raises `ConfigError` where the arguments give more than one kind of code (with
+        ``code``, the keywords of a `Function`'s parts change those parts, as
+        ``attrs.evolve(model, initial_state=...)`` does)."""
+        where = f"{source} (model '{config.name}')"
+        if code is None:
+            code = _code_of(where, execute, initialize, initial_state, jit, triton_model, onnx)
+        elif triton_model is not None or onnx is not None:
+            raise ConfigError(f"{where}: give its code once, as code= or by triton_model/onnx")
+        else:  # keywords change a function's parts (as attrs.evolve passes them)
+            parts: dict[str, object] = {"execute": execute, "initialize": initialize}
+            parts |= {"initial_state": initial_state, "jit": jit}
+            changed = [name for name, value in parts.items() if value is not None]
+            if changed and not isinstance(code, Function):
+                raise ConfigError(
+                    f"{where}: {', '.join(changed)} are parts of a Python function's code, "
+                    f"and this model's is {type(code).__name__}"
+                )
+            if isinstance(code, Function) and changed:
+                code = Function(
+                    execute if execute is not None else code.execute,
+                    initialize if initialize is not None else code.initialize,
+                    initial_state if initial_state is not None else code.initial_state,
+                    code.jit if jit is None else jit,
+                )
         self.__attrs_init__(
             config=config,
-            code=code if code is not None else made,
+            code=code,
             version=version,
             source=source,
             config_source=config_source,

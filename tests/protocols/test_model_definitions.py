@@ -77,7 +77,20 @@ def test_two_kinds_of_code_are_refused_when_the_model_is_made(
 
 def test_code_given_twice_is_refused() -> None:
     with pytest.raises(orchestrion.ConfigError, match=r"model 'm'\): give its code once"):
-        orchestrion.Model(_config(), execute=_double, code=orchestrion.Function(_double))
+        orchestrion.Model(_config(), triton_model=_Triton, code=orchestrion.Function(_double))
+    with pytest.raises(orchestrion.ConfigError, match=r"initialize, jit are parts of a Python"):
+        orchestrion.Model(
+            _config(), initialize=lambda c: 1, jit=False, code=orchestrion.TritonClass(_Triton)
+        )
+
+
+def test_function_keywords_change_a_functions_parts() -> None:
+    """As ``attrs.evolve(model, initial_state=...)`` passes them: the rest is kept."""
+    m = orchestrion.Model(_config(), execute=_double, jit=False)
+    start = lambda config: 0  # noqa: E731
+    changed = attrs.evolve(m, initial_state=start)
+    assert changed.code == orchestrion.Function(_double, initial_state=start, jit=False)
+    assert attrs.evolve(m, jit=True).code == orchestrion.Function(_double, jit=True)
 
 
 @pytest.mark.parametrize("execute", [None, 3])
