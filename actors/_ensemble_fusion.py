@@ -36,43 +36,48 @@ from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, T
 from ._batch_queue import batch_size
 from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
+from ._executor import Executor
 from ._fusion import Fusion, SignatureState
-from ._listed_fusion import ListedFusion, listed
+from ._listed_fusion import ListedFusion
 from ._runner import ModelRunner
 
 
-def fusable(runner: object, max_batch_size: int) -> bool:
-    """Whether ``runner`` can be a step of an ensemble's fused call: of a `Fusion` (a
-    jitted model) or of a `ListedFusion` (a python-backend model)."""
+def fusable(runner: object, max_batch_size: int) -> Executor | None:
+    """The executor of ``runner`` when it can be a step of an ensemble's fused call (of a
+    `Fusion`: a jitted model, or of a `ListedFusion`: a python-backend model); None: it
+    cannot (an ensemble, or a model the scheduler must run)."""
     if not isinstance(runner, ModelRunner):
-        return False
-    capabilities = runner.capabilities
+        return None
+    step = runner.executor
+    capabilities = step.capabilities
     if not (
         not capabilities.stateful
         and not capabilities.is_async
         and not capabilities.streaming
-        and _batching_fusable(runner)
-        and all(t.reshape is None for t in runner.config.input)
-        and runner.observer is None
-        and runner.tracing is None
-        and runner.config.max_batch_size == max_batch_size
+        and _batching_fusable(step)
+        and all(t.reshape is None for t in step.config.input)
+        and step.observer is None
+        and step.tracing is None
+        and step.config.max_batch_size == max_batch_size
     ):
-        return False
-    if listed(runner):
-        return True
-    return (
+        return None
+    if step.runs_listed_inline:
+        return step
+    if (
         capabilities.traceable
         and not capabilities.takes_request
-        and on_default_device([i.device for i in runner.instances])
-    )
+        and on_default_device([i.device for i in step.instances])
+    ):
+        return step
+    return None
 
 
-def _batching_fusable(runner: ModelRunner) -> bool:
+def _batching_fusable(step: Executor) -> bool:
     """No dynamic batching, or one that gathering requests into the fused call honours:
     no queue delay, no priorities, no queue policy (timeouts, a queue size)."""
-    batching = runner.config.dynamic_batching
-    if runner.batcher is None or batching is None:
-        return runner.batcher is None
+    batching = step.config.dynamic_batching
+    if not step.batches or batching is None:
+        return not step.batches
     return (
         batching.max_queue_delay_microseconds == 0
         and batching.priority_levels == 0
@@ -200,17 +205,18 @@ class FusionGate:
         except OrchestrionError:
             return None
         self._generation = generation
-        fusion = self.fusion
-        if fusion is not None and fusion.current(runners):
-            return fusion
         mbs = self.config.max_batch_size
-        if not all(self.router.fusable(r, mbs) for r in runners):
+        steps = tuple(self.router.fusable(r, mbs) for r in runners)
+        fusion = self.fusion
+        if fusion is not None and fusion.current(steps):
+            return fusion
+        if any(step is None for step in steps):
             self.fusion = None
             return None
-        composing = cast(tuple[ModelRunner, ...], runners)  # each checked by fusable
+        composing = cast(tuple[Executor, ...], steps)  # none is None
         scheduler = self.scheduler
         limit = scheduler.steps[0].capacity if scheduler.limited else 0
-        python = [listed(r) for r in composing]
+        python = [step.runs_listed_inline for step in composing]
         if any(python):  # python-backend steps: all of them, or no fusion
             self.fusion = None
             if all(python):

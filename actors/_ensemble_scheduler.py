@@ -51,6 +51,7 @@ from ..protocols import (
 )
 from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_plans import Plan
+from ._executor import Executor
 
 
 class Router(Protocol):
@@ -71,7 +72,7 @@ class Router(Protocol):
 
     def resolve(self, name: str, version: int = -1) -> object: ...
 
-    def fusable(self, runner: object, max_batch_size: int) -> bool: ...
+    def fusable(self, runner: object, max_batch_size: int) -> Executor | None: ...
 
     @property
     def generation(self) -> int: ...

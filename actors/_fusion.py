@@ -52,8 +52,8 @@ from ..backends import TracedCall, concatenate, repeat_last_row, rows_view, take
 from ..protocols import ModelConfig, StepPlan, Tensors, expected_shape
 from ._batch_queue import OnePass, gathered_batches
 from ._definition import FusionMode
-from ._instances import THREAD_ABOVE_NS
-from ._runner import ModelRunner
+from ._executor import Executor
+from ._instances import THREAD_ABOVE_NS, Instance
 from ._watchdog import LoopHolder, loop_holder
 
 _log = logging.getLogger("orchestrion")
@@ -122,31 +122,33 @@ def _abstract_problem(config: ModelConfig, tensors: Mapping[str, Any], kind: str
 
 @attrs.define(eq=False)
 class FusedSteps:
-    """What every fused call of an ensemble has: its steps in order, their runners, the
-    ensemble's outputs (`Fusion` for jitted steps, `ListedFusion` for python-backend ones)."""
+    """What every fused call of an ensemble has: its steps in order, their composing models'
+    executors (each step runs and is counted by its own), the ensemble's outputs (`Fusion`
+    for jitted steps, `ListedFusion` for python-backend ones)."""
 
     name: str
     order: tuple[StepPlan, ...]
-    runners: tuple[ModelRunner, ...]
+    steps: tuple[Executor, ...]
+    """Each step's composing model, as its executor, in ``order``."""
     outputs: tuple[str, ...]
 
-    def current(self, runners: Sequence[object]) -> bool:
-        """Whether this fusion was built for exactly these runners (none reloaded)."""
-        return len(runners) == len(self.runners) and all(
-            a is b for a, b in zip(runners, self.runners, strict=True)
+    def current(self, steps: Sequence[Executor | None]) -> bool:
+        """Whether this fusion was built for exactly these executors (no model reloaded)."""
+        return len(steps) == len(self.steps) and all(
+            a is b for a, b in zip(steps, self.steps, strict=True)
         )
 
     def idle(self) -> bool:
         """Whether every composing model has an idle inline instance and nothing queued."""
-        for runner in self.runners:  # noqa: SIM110 (no generator: it runs per fused request)
-            if not runner.idle():
+        for step in self.steps:  # noqa: SIM110 (no generator: it runs per fused request)
+            if not step.idle():
                 return False
         return True
 
 
 @attrs.define(eq=False)
 class Fusion(FusedSteps):
-    """The fused call of one ensemble of jitted steps, for one set of composing runners."""
+    """The fused call of one ensemble of jitted steps, for one set of composing models."""
 
     mode: FusionMode = FusionMode.ON
     """"on": the steps' own executables one after another; "xla": one traced function."""
@@ -187,15 +189,15 @@ class Fusion(FusedSteps):
     outputs were checked for them."""
 
     def __attrs_post_init__(self) -> None:
-        self.gathers = self.max_batch > 0 and all(r.batcher is not None for r in self.runners)
+        self.gathers = self.max_batch > 0 and all(step.batches for step in self.steps)
         if self.gathers:
-            sizes = [set(r.backend.padded_sizes or (self.max_batch,)) for r in self.runners]
+            sizes = [set(step.padded_sizes or (self.max_batch,)) for step in self.steps]
             self._pads = tuple(sorted(set.intersection(*sizes)))
-        self._params = tuple(r.instances[0].loaded.params for r in self.runners)
+        self._params = tuple(step.params for step in self.steps)
         self._required = tuple(
-            frozenset(t.name for t in r.config.input if not t.optional) for r in self.runners
+            frozenset(t.name for t in step.config.input if not t.optional) for step in self.steps
         )
-        self._traceables = tuple(r.backend.traceable() for r in self.runners)
+        self._traceables = tuple(step.traceable() for step in self.steps)
         if self.mode is FusionMode.XLA:
             self._call = TracedCall(self._steps)
 
@@ -267,7 +269,7 @@ class Fusion(FusedSteps):
         finally:
             self._compiling.discard(signature)
         if ok and not self._ready:
-            steps = ", ".join(f"'{r.model.name}'" for r in self.runners)
+            steps = ", ".join(f"'{step.model.name}'" for step in self.steps)
             _log.info(
                 "ensemble '%s' runs fused: its steps (%s) as one compiled call",
                 self.name,
@@ -282,8 +284,8 @@ class Fusion(FusedSteps):
         assert self._call is not None
         try:
             *steps, _ = self._call.abstract(self._params, inputs)
-            for runner, (args, outputs) in zip(self.runners, steps, strict=True):
-                config = runner.model.config
+            for step, (args, outputs) in zip(self.steps, steps, strict=True):
+                config = step.config
                 if _abstract_problem(config, args, "input") is not None:
                     return False  # the scheduler refuses the step's request, and says why
                 if _abstract_problem(config, outputs, "output") is not None:
@@ -330,11 +332,9 @@ class Fusion(FusedSteps):
         finally:
             holder.runs = outer
         elapsed = time.perf_counter_ns() - started
-        share = elapsed // len(self.runners)
-        for runner in self.runners:
-            for count in rows:
-                runner.stats.request_finished(None, share, count)
-            runner.stats.execution_finished(0, 0, share, 0, len(rows), sum(rows))
+        share = elapsed // len(self.steps)
+        for step in self.steps:
+            step.count_fused(None, share, rows)
         if elapsed > THREAD_ABOVE_NS:
             self._slow_streak += 1
             self.slow = self._slow_streak >= 3
@@ -342,7 +342,7 @@ class Fusion(FusedSteps):
             self._slow_streak = 0
         return outputs
 
-    def _run_steps(  # noqa: C901 (every fused request runs it: see docs/architecture.md)
+    def _run_steps(
         self, inputs: Tensors, rows: Sequence[int]
     ) -> dict[str, np.ndarray[Any, Any]] | None:
         # Shapes decide everything a step checks (jitted functions: the output shapes and
@@ -351,61 +351,38 @@ class Fusion(FusedSteps):
         key = tuple((name, v.shape) for name, v in inputs.items())
         trusted = self._trusted.get(key)
         holder = self._holder
-        outer = holder.runs
         board = dict(inputs)
-        done = []
-        for plan, runner, required in zip(self.order, self.runners, self._required, strict=True):
-            args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
+        done: list[tuple[Executor, Instance, int]] = []
+        untrusted = trusted is None
+        for plan, step, required in zip(self.order, self.steps, self._required, strict=True):
+            args = {}  # a loop, not a comprehension: one Python call fewer per step
+            for name, tensor in plan.inputs:
+                if tensor in board:
+                    args[name] = board[tensor]
             if len(args) != len(plan.inputs) and not required <= args.keys():
                 return None  # a producer left a required input out: the scheduler says so
-            instances = runner.pool.all
-            if len(instances) == 1:  # the common case, without a generator per step
-                instance = instances[0]
-                if not instance.inline or instance.busy:
-                    return None
-            else:
-                found = next((i for i in instances if i.inline and not i.busy), None)
-                if found is None:
-                    return None
-                instance = found
-            checking = trusted is None or instance not in trusted
-            if checking and not instance.compiled_for(runner.backend.signature(args)):
-                return None  # the scheduler compiles new shapes, in a worker thread
-            started = time.perf_counter_ns()
-            holder.runs = runner.pool
-            try:
-                outputs: Mapping[str, Any] = runner.backend.execute(instance.loaded, args)[0]
-                if type(outputs) is not dict and not isinstance(outputs, Mapping):
-                    return None
-                if checking:
-                    outputs = runner.checker.outputs(outputs)
-            except Exception:  # the scheduler runs it again, and reports it
+            instance = step.free_inline()
+            if instance is None:
                 return None
-            finally:
-                holder.runs = outer
-            if checking and runner.batcher is not None:  # as its batcher: a row per row
-                batch = next(iter(args.values())).shape[0]
-                if any(v.ndim == 0 or v.shape[0] != batch for v in outputs.values()):
-                    return None
-            done.append((runner, instance, time.perf_counter_ns() - started))
+            checking = trusted is None or instance not in trusted
+            untrusted = untrusted or checking
+            started = time.perf_counter_ns()
+            outputs = step.run_fused(instance, args, checking, holder)
+            if outputs is None:
+                return None
+            done.append((step, instance, time.perf_counter_ns() - started))
             for name, tensor in plan.outputs:
                 value = outputs.get(name)
                 if value is not None:
                     board[tensor] = value
-        if trusted is None:
-            self._trusted[key] = frozenset(instance for _, instance, _ in done)
-        elif any(instance not in trusted for _, instance, _ in done):
-            self._trusted[key] = trusted | {instance for _, instance, _ in done}
-        requests = len(rows)
-        for runner, instance, elapsed in done:
-            instance.learn(elapsed)
-            stats = runner.stats
-            for count in rows:
-                stats.request_finished(None, elapsed, count)
-            stats.execution_finished(0, 0, elapsed, 0, requests, sum(rows))
+        if untrusted:
+            ran = frozenset(instance for _, instance, _ in done)
+            self._trusted[key] = ran if trusted is None else trusted | ran
+        for step, instance, elapsed in done:
+            step.count_fused(instance, elapsed, rows)
         if not self._announced:
             self._announced = True
-            steps = ", ".join(f"'{r.model.name}'" for r in self.runners)
+            steps = ", ".join(f"'{step.model.name}'" for step in self.steps)
             _log.info("ensemble '%s' runs fused: its steps (%s) in turn", self.name, steps)
         return {name: board[name] for name in self.outputs if name in board}
 

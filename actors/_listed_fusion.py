@@ -28,7 +28,6 @@ scheduler's path before any step runs. Anything unusual takes the scheduler's pa
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,23 +46,11 @@ from ..protocols import (
 )
 from ._batch_queue import OnePass, batch_size, gathered_batches
 from ._ensemble_errors import left_out_note, step_failed
+from ._executor import Executor
 from ._fusion import FusedSteps
 from ._instances import Instance
-from ._runner import ModelRunner
 
 _log = logging.getLogger("orchestrion")
-
-
-def listed(runner: ModelRunner) -> bool:
-    """Whether ``runner`` can be a step of a `ListedFusion`: a model that takes lists of
-    requests (Triton's python backend) and may run inline (no BLS, no response sender)."""
-    capabilities = runner.capabilities
-    return (
-        capabilities.takes_request
-        and capabilities.may_run_inline
-        and not capabilities.waits_through_portal
-        and hasattr(runner.backend, "execute_requests")
-    )
 
 
 @attrs.define(eq=False, slots=True)
@@ -90,7 +77,7 @@ class _Waiting:
 
 @attrs.define(eq=False)
 class ListedFusion(FusedSteps):
-    """The fused call of one ensemble of python-backend steps, for one set of runners."""
+    """The fused call of one ensemble of python-backend steps, for one set of models."""
 
     graph: EnsembleGraph
     step_outputs: Mapping[int, frozenset[str]]
@@ -141,8 +128,8 @@ class ListedFusion(FusedSteps):
     def _instances(self) -> list[Instance] | None:
         """For every step, an inline instance free now; None: some step has none."""
         chosen = []
-        for runner in self.runners:
-            found = next((i for i in runner.pool.all if i.inline and not i.busy), None)
+        for step in self.steps:
+            found = step.free_inline()
             if found is None:
                 return None
             chosen.append(found)
@@ -155,14 +142,14 @@ class ListedFusion(FusedSteps):
         if instances is None:
             return
         live = batch
-        for plan, runner, instance in zip(self.order, self.runners, instances, strict=True):
-            requests = self._step_requests(plan, runner, live)
-            if runner.capabilities.request_lists:
+        for plan, step, instance in zip(self.order, self.steps, instances, strict=True):
+            requests = self._step_requests(plan, step, live)
+            if step.capabilities.request_lists:
                 groups = [requests] if requests else []
             else:
                 groups = [[r] for r in requests]
             for group in groups:
-                self._execute(plan, runner, instance, group)
+                self._execute(plan, step, instance, group)
             live = [w for w in live if w.error is None]
             if not live:
                 break
@@ -170,11 +157,11 @@ class ListedFusion(FusedSteps):
             waiting.ran = True
         if not self.announced:
             self.announced = True
-            steps = ", ".join(f"'{r.model.name}'" for r in self.runners)
+            steps = ", ".join(f"'{step.model.name}'" for step in self.steps)
             _log.info("ensemble '%s' runs fused: its python steps (%s) in turn", self.name, steps)
 
     def _step_requests(
-        self, plan: StepPlan, runner: ModelRunner, live: list[_Waiting]
+        self, plan: StepPlan, step: Executor, live: list[_Waiting]
     ) -> list[tuple[_Waiting, InferRequest]]:
         """The step's request of each live client request, checked as the router checks
         it (a refused one ends its client request with the ensemble's message)."""
@@ -184,10 +171,10 @@ class ListedFusion(FusedSteps):
             board = waiting.board
             args = {name: board[tensor] for name, tensor in plan.inputs if tensor in board}
             try:
-                inputs = runner.checker.inputs(args, adapt_batching=True)
+                inputs = step.checker.inputs(args, adapt_batching=True)
             except InvalidRequestError as exc:
                 if not isinstance(exc, ModelNotFoundError):
-                    runner.stats.request_finished(exc, 0, 0)
+                    step.request_finished(exc, 0, 0)
                 note = left_out_note(self.graph, plan, waiting.left_out)
                 waiting.error = step_failed(self.name, plan, exc, note)
                 continue
@@ -203,36 +190,24 @@ class ListedFusion(FusedSteps):
     def _execute(
         self,
         plan: StepPlan,
-        runner: ModelRunner,
+        step: Executor,
         instance: Instance,
         group: list[tuple[_Waiting, InferRequest]],
     ) -> None:
         """One ``execute`` of ``group``'s requests, counted as the scheduler counts it;
         each client request gets the step's outputs on its board, or its error."""
         requests = [r for _, r in group]
-        max_batch = runner.config.max_batch_size
-        rows = [batch_size(max_batch, r.inputs) for r in requests]
-        instance.busy = True
-        started = time.perf_counter_ns()
-        timings = None
-        outcomes: list[Tensors | InferenceError]
-        try:
-            outcomes, timings = runner.pool.run_listed_inline(instance, requests)
-        except InferenceError as exc:
-            outcomes = [exc] * len(requests)
-        finally:
-            instance.busy = False
-        elapsed = time.perf_counter_ns() - started
-        runner.executor.record(instance, 0, timings, elapsed, sum(rows), True, requests, started)
+        outcomes, elapsed = step.run_listed_now(instance, requests)
+        max_batch = step.config.max_batch_size
         wanted = self.step_outputs[plan.index]
-        stats = runner.stats
-        for (waiting, _), outcome, count in zip(group, outcomes, rows, strict=True):
+        for (waiting, request), outcome in zip(group, outcomes, strict=True):
+            count = batch_size(max_batch, request.inputs)
             if isinstance(outcome, InferenceError):
-                stats.request_finished(outcome, elapsed, count)
+                step.request_finished(outcome, elapsed, count)
                 note = left_out_note(self.graph, plan, waiting.left_out)
                 waiting.error = step_failed(self.name, plan, outcome, note)
                 continue
-            stats.request_finished(None, elapsed, count)
+            step.request_finished(None, elapsed, count)
             board = waiting.board
             for output, tensor in plan.outputs:
                 value = outcome.get(output)

@@ -43,6 +43,7 @@ from ..protocols import (
 from ..telemetry import RequestTracing
 from ._definition import check_model
 from ._ensemble import EnsembleRunner
+from ._executor import Executor
 from ._load_lock import LoadLock
 from ._loaded_models import LoadedModels, Runner
 from ._repository import AUTO_COMPLETE, ConfigReading
@@ -235,9 +236,9 @@ class ModelRegistry:
         """
         return self._router.infer_now(request)
 
-    def fusable(self, runner: object, max_batch_size: int) -> bool:
-        """Whether an ensemble may trace ``runner`` into its fused call (see `Fusion`): a
-        short jitted model, stateless and unbatched, not cached, not observed or traced."""
+    def fusable(self, runner: object, max_batch_size: int) -> Executor | None:
+        """The executor an ensemble's fused call runs ``runner``'s model by (see `Fusion`);
+        None: the scheduler runs it."""
         return self._router.fusable(runner, max_batch_size)
 
     # -- loading ---------------------------------------------------------------------------

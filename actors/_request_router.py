@@ -48,6 +48,7 @@ from ..telemetry import UNSAMPLED, RequestTracing
 from ._batch_queue import batch_size
 from ._ensemble import EnsembleRunner
 from ._ensemble_fusion import fusable
+from ._executor import Executor
 from ._loaded_models import LoadedModels, Runner
 from ._runner import ModelRunner
 
@@ -374,14 +375,16 @@ class RequestRouter:
             return False  # checked in a worker thread, by infer
         return runner.ready_now(request.inputs)
 
-    def fusable(self, runner: object, max_batch_size: int) -> bool:
-        """Whether an ensemble may trace ``runner`` into its fused call (see `Fusion`): a
-        short jitted model, stateless and unbatched, not cached, not observed or traced."""
+    def fusable(self, runner: object, max_batch_size: int) -> Executor | None:
+        """The executor an ensemble's fused call runs ``runner``'s model by (see `Fusion`:
+        a short model, stateless, not cached, not observed or traced); None: the
+        scheduler runs it."""
         if self.tracing is not None or self.observer is not None:
-            return False
-        if not fusable(runner, max_batch_size):
-            return False
-        return self.cache is None or not caches(runner.config)  # type: ignore[attr-defined]
+            return None
+        step = fusable(runner, max_batch_size)
+        if step is None or (self.cache is not None and caches(step.config)):
+            return None
+        return step
 
     def infer_now(self, request: InferRequest) -> InferResponse:
         """`infer` of an ensemble step whose model `ready_now` said can run at once, in the

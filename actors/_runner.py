@@ -100,7 +100,9 @@ class ModelRunner:
         facing, shapes = model_facing(config), not backend.capabilities.output_shapes_as_given
         outputs = self.checker if facing is config and shapes else TensorChecker(facing, shapes)
         pool = Instances(backend, self.model.name, self.model.version, outputs)
-        self.executor = Executor(self.model, backend, pool, stats, self.observer, self.tracing)
+        self.executor = Executor(
+            self.model, backend, pool, stats, self.observer, self.tracing, self.checker
+        )
         self.backend, self.pool, self.stats = backend, pool, stats
         self.output_names = self.executor.output_names
         self._send, self._receive = trio.open_memory_channel(math.inf)
@@ -111,7 +113,7 @@ class ModelRunner:
             )
         elif self.capabilities.stateful:
             self.sequences = Sequences.of(config, self.backend.initial_state, self._submit)
-        if self.capabilities.batching and config.dynamic_batching:
+        if self.executor.batches:
             self.batcher = Batcher(self.executor, BatchQueue(config), self.backend.padded_sizes)
         capabilities = self.capabilities
         self._inline_now = (
@@ -166,12 +168,7 @@ class ModelRunner:
 
     def idle(self) -> bool:
         """Nothing queued, and some instance can run inline now."""
-        if self.executor.queued or (self.batcher is not None and len(self.batcher.queue)):
-            return False
-        for instance in self.pool.all:  # noqa: SIM110 (no generator: it runs per request)
-            if instance.inline and not instance.busy:
-                return True
-        return False
+        return self.executor.idle()
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import attrs
 
@@ -94,6 +95,24 @@ class StatsRecorder:
         self.input_ns += input_ns * requests
         self.infer_ns += infer_ns * requests
         self.output_ns += output_ns * requests
+
+    def executed_together(self, duration_ns: int, rows: Sequence[int]) -> None:
+        """Count one execution, taking ``duration_ns``, of requests that all succeeded
+        (``rows``: each one's inferences) and waited in no queue: `request_finished` for
+        each and `execution_finished` once, in one call (an ensemble's fused call)."""
+        requests = len(rows)
+        inferences = sum(rows)
+        self.success_count += requests
+        self.success_ns += duration_ns * requests
+        self.inference_count += inferences
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        entry = self.batches.setdefault(inferences or requests, [0, 0, 0, 0])
+        entry[0] += 1
+        entry[2] += duration_ns
+        self.execution_count += 1
+        self.queue_count += requests
+        self.compute_count += requests
+        self.infer_ns += duration_ns * requests
 
     def cached_answers(self, count: int, duration_ns: int, lookup_ns: int) -> None:
         """Count ``count`` requests answered by a cache tier outside the runtime: each a

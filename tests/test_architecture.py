@@ -139,6 +139,25 @@ def test_the_runtime_imports_no_jax() -> None:
     assert reaching == []
 
 
+def test_the_runners_parts_receive_the_executor() -> None:
+    """The batcher, the sequence batcher, the streams and an ensemble's fused call are given
+    an `Executor`; none of them imports the runner (nor reaches into its pool, backend or
+    statistics through one)."""
+    parts = ("_batcher", "_sequence_batcher", "_sequences", "_streams", "_fusion", "_listed_fusion")
+    reaching = []
+    for name in parts:
+        path = ROOT / "actors" / f"{name}.py"
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module in ("_runner", "actors._runner"):
+                reaching.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports the runner")
+            if isinstance(node, ast.Attribute) and node.attr in ("pool", "backend", "stats"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id == "runner":
+                    reaching.append(f"{path.relative_to(ROOT)}:{node.lineno}: runner.{node.attr}")
+    assert reaching == []
+
+
 def _every_module(root: Path = ROOT) -> list[Path]:
     """Every module of the package, ``testing/`` and the top level included."""
     return sorted(
