@@ -88,6 +88,9 @@ class RedisClusterCache(ResponseCache):
         self._undecodable = Throttled(_log)
         self._down: dict[str, float] = {}
         """Nodes skipped until the given `trio.current_time`."""
+        self._down_since: dict[str, float] = {}
+        """When each node in ``_down`` was found down: an answer from a trip that began
+        before then (concurrent trips end in any order) says nothing of it now."""
         self._refresh_at: float | None = None
         """When the slot map may be refreshed next (None: it is believed right)."""
         self._primaries: set[str] = {n.name for n in client.get_primaries()}  # type: ignore[no-untyped-call]
@@ -108,15 +111,17 @@ class RedisClusterCache(ResponseCache):
         trip = await trio.to_thread.run_sync(
             self._trip, names, command, frozenset(skip), refresh, limiter=self._limiter
         )
-        self._judge(trip)
+        self._judge(trip, now)
         return trip
 
-    def _judge(self, trip: _Trip) -> None:
+    def _judge(self, trip: _Trip, began: float) -> None:
         now = trio.current_time()
         if trip.primaries:
             self._primaries = trip.primaries
         for name in list(self._down):
             if name in trip.answered:
+                if began < self._down_since.get(name, began):
+                    continue  # it answered before it went down
                 del self._down[name]
                 _log.warning("redis cache: Redis Cluster node %s answers again", name)
             elif name not in self._primaries and name not in trip.failed:
@@ -128,6 +133,7 @@ class RedisClusterCache(ResponseCache):
                 )
         for name, exc in trip.failed.items():
             if name not in self._down:
+                self._down_since[name] = now
                 _log.error(
                     "redis cache: Redis Cluster node %s unavailable (%s); requests for its "
                     "slots run uncached, retrying every %.1f s",

@@ -293,3 +293,35 @@ async def test_a_sentinel_failover_costs_misses_never_a_failed_request(
     assert redis_sentinels.master_address()[1] == redis_sentinels.replica.port
     again = [r for r in caplog.records if "available again" in r.getMessage()]
     assert again, [r.getMessage() for r in caplog.records]
+
+
+async def test_an_answer_from_before_a_node_went_down_does_not_bring_it_back(
+    redis_cluster: RedisClusterServers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Concurrent trips end in any order: a trip that began before a node was found down
+    and was answered by it (just before it died) is judged after the failing one. The node
+    stays down, and is reported once; an answer from a trip begun later brings it back."""
+    from orchestrion.caches._redis_cluster import RedisClusterCache, _Trip
+
+    settings = parse_cache_config([*redis_cluster.cache_config, FAST_RETRY])
+    assert settings is not None
+    cache = await open_cache(settings)
+    assert isinstance(cache, RedisClusterCache)
+    node = redis_cluster.nodes[0].address
+    try:
+        before = trio.current_time()
+        await trio.sleep(0.01)
+        cache._judge(_Trip(replies=[], failed={node: ConnectionError("refused")}), before)
+        cache._judge(_Trip(replies=[], answered={node}), before)  # begun before: stale
+        assert node in cache._down
+        later = trio.current_time()
+        cache._judge(_Trip(replies=[], failed={node: ConnectionError("refused")}), later)
+        cache._judge(_Trip(replies=[], answered={node}), trio.current_time())
+        assert node not in cache._down
+    finally:
+        await cache.aclose()
+    messages = [r.getMessage() for r in caplog.records if node in r.getMessage()]
+    assert [m.split(" (")[0] for m in messages] == [
+        f"redis cache: Redis Cluster node {node} unavailable",
+        f"redis cache: Redis Cluster node {node} answers again",
+    ]
