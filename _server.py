@@ -231,9 +231,9 @@ class AsyncServer:
         )
         request = self._traced(request, options.traceparent)
         # Outputs leave the server as numpy arrays, whatever device computed them.
-        if request.timeout is None:
+        if request.options.timeout is None:
             return response_on_host(await self._registry.infer(request))
-        with trio.move_on_after(request.timeout):
+        with trio.move_on_after(request.options.timeout):
             # Work that cannot be interrupted (a synchronous execute) may finish late: its
             # result is then cancelled at the next checkpoint, and counted as a failure.
             return response_on_host(await self._registry.infer(request))

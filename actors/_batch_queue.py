@@ -102,8 +102,8 @@ class BatchQueue:
         """The request's priority level (1 is the highest; 0 asks for the default)."""
         if not self._levels:
             return 1
-        if 1 <= request.priority <= self._levels:
-            return request.priority
+        if 1 <= request.options.priority <= self._levels:
+            return request.options.priority
         return self._default_level
 
     def policy(self, level: int) -> QueuePolicy | None:

@@ -272,7 +272,7 @@ class EnsembleRunner:
         return InferResponse(
             model_name=self.config.name,
             model_version=self.version,
-            request_id=request.request_id,
+            request_id=request.options.request_id,
             outputs=outputs,
             parameters=self.response_parameters(request),
         )

@@ -303,7 +303,7 @@ class RequestRouter:
                     response = InferResponse(
                         model_name=runner.config.name,
                         model_version=runner.version,
-                        request_id=request.request_id,
+                        request_id=request.options.request_id,
                         outputs=shared_outputs(flight.entry, request.requested_outputs),
                         parameters=runner.response_parameters(request),
                     )

@@ -415,7 +415,7 @@ class ModelRunner:
         return InferResponse(
             model_name=self.model.name,
             model_version=self.model.version,
-            request_id=request.request_id,
+            request_id=request.options.request_id,
             outputs=outputs,
             parameters=parameters,
             final=final,

@@ -105,7 +105,7 @@ class SequenceBatcher:
             ServerClosedError: the model is being unloaded.
         """
         name = self._config.name
-        if request.sequence_id in (0, ""):
+        if request.options.sequence_id in (0, ""):
             raise InvalidRequestError(
                 f"inference request to model '{name}' must specify a non-zero or non-empty "
                 "correlation ID (sequence_id): the model is stateful (sequence_batching)"
@@ -237,7 +237,7 @@ class SequenceBatcher:
             if sequence is not None and not sequence.running:
                 while sequence.queue and sequence.queue[0].abandoned:
                     gone = sequence.queue.popleft()
-                    sequence.ended = sequence.ended or gone.request.sequence_end
+                    sequence.ended = sequence.ended or gone.request.options.sequence_end
                     self._drop(gone)
                 if not sequence.queue and sequence.ended:
                     self._release(sequence)
@@ -268,7 +268,7 @@ class SequenceBatcher:
         sequence, work = row.sequence, row.work
         sequence.queue.popleft()
         sequence.running = True
-        sequence.ended = sequence.ended or work.request.sequence_end
+        sequence.ended = sequence.ended or work.request.options.sequence_end
         self.executor.queued -= 1
         try:
             row.request = self._prepared(sequence, work.request)
@@ -286,15 +286,17 @@ class SequenceBatcher:
         inputs = dict(request.inputs)
         inputs.update(
             self.tensors.control_values(
-                start=request.sequence_start,
-                end=request.sequence_end,
+                start=request.options.sequence_start,
+                end=request.options.sequence_end,
                 ready=True,
                 correlation_id=self._correlation_id(sequence.key),
                 batching=self._config.max_batch_size > 0,
             )
         )
         state = sequence.state
-        inputs.update(self.start_states if request.sequence_start or state is None else state)
+        inputs.update(
+            self.start_states if request.options.sequence_start or state is None else state
+        )
         return request.derive(
             model_name=request.model_name,
             model_version=request.model_version,

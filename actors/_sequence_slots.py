@@ -99,24 +99,24 @@ class SequenceSlots:
         Raises:
             InvalidRequestError: no sequence of that id has started (Triton's words).
         """
-        key = request.sequence_id
+        key = request.options.sequence_id
         sequence = self._ids.get(key)
         if sequence is None:
-            if not request.sequence_start:
+            if not request.options.sequence_start:
                 raise InvalidRequestError(
                     f"inference request for sequence {key} to model '{self.model}' must "
                     "specify the START flag on the first request of the sequence"
                 )
             sequence = self._ids[key] = Sequence(key)
             self._place(sequence)
-        elif request.sequence_start:
+        elif request.options.sequence_start:
             _log.warning(
                 "sequence %s for model '%s' has a conflict: the previous sequence did not "
                 "end before this one started; it goes on from this request",
                 key,
                 self.model,
             )
-        if request.sequence_end:
+        if request.options.sequence_end:
             del self._ids[key]
         return sequence
 

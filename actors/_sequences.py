@@ -67,7 +67,7 @@ class Sequences:
         Raises:
             InvalidRequestError: no sequence id, or the sequence is not active.
         """
-        key = request.sequence_id
+        key = request.options.sequence_id
         if key in (0, ""):
             raise InvalidRequestError(
                 f"model '{self.name}' is stateful (sequence_batching): its requests need a "
@@ -78,13 +78,13 @@ class Sequences:
         # the id's running request like any other, and replaces the state only if it succeeds.
         sequence = self.active.get(key)
         if sequence is None:
-            if not request.sequence_start:
+            if not request.options.sequence_start:
                 raise self._inactive(key, None)
             sequence = self.active[key] = Sequence(state=None)
         async with sequence.lock:  # a sequence's requests run one at a time, in order
-            if not request.sequence_start and not sequence.active:
+            if not request.options.sequence_start and not sequence.active:
                 raise self._inactive(key, sequence.released)
-            state = self.initial_state() if request.sequence_start else sequence.state
+            state = self.initial_state() if request.options.sequence_start else sequence.state
             work = Work(request=request, enqueued_ns=time.perf_counter_ns(), state=state)
             try:
                 await self.submit(work)
@@ -99,7 +99,7 @@ class Sequences:
                 sequence.released = None
             finally:
                 sequence.last_used = trio.current_time()
-                if request.sequence_end:
+                if request.options.sequence_end:
                     sequence.active = False
                     sequence.released = "ended"
                 unused = not sequence.active and not sequence.lock.statistics().tasks_waiting

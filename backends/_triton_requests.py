@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..protocols import Cancellation, InferRequest, OrchestrionError
+from ..protocols import Cancellation, InferRequest, OrchestrionError, RequestOptions
 from ._base import ServerCalls
 from ._triton_api import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
@@ -165,14 +165,14 @@ class InferenceRequest:
         made._model_name = request.model_name
         made._inputs = [Tensor.of(name, value) for name, value in inputs.items()]
         made._outputs = list(outputs)
-        made._request_id = request.request_id
-        made._correlation_id = request.sequence_id
+        made._request_id = request.options.request_id
+        made._correlation_id = request.options.sequence_id
         made._model_version = request.model_version
         made._flags = (
-            TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if request.sequence_start else 0
-        ) | (TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if request.sequence_end else 0)
-        made._timeout = int(request.timeout * 1e6) if request.timeout else 0
-        made._parameters = request.parameters  # made JSON text when the model asks
+            TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if request.options.sequence_start else 0
+        ) | (TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if request.options.sequence_end else 0)
+        made._timeout = int(request.options.timeout * 1e6) if request.options.timeout else 0
+        made._parameters = request.options.parameters  # made JSON text when the model asks
         made._sender = sender
         made._cancelled = cancelled
         made._cancellation = request.cancellation
@@ -259,11 +259,13 @@ class InferenceRequest:
             model_version=self._model_version,
             inputs={t.name(): tensor_array(t) for t in self._inputs},
             requested_outputs=frozenset(self._outputs) if self._outputs else None,
-            request_id=self._request_id,
-            parameters=json.loads(self.parameters()),
-            sequence_id=self._correlation_id,
-            sequence_start=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
-            sequence_end=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
+            options=RequestOptions(
+                request_id=self._request_id,
+                parameters=json.loads(self.parameters()),
+                sequence_id=self._correlation_id,
+                sequence_start=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
+                sequence_end=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
+            ),
             trace=parent.trace if parent is not None else None,
         )
 

@@ -105,7 +105,6 @@ from ._messages import Cancellation as Cancellation
 from ._messages import InferRequest as InferRequest
 from ._messages import InferResponse as InferResponse
 from ._messages import ParameterizedOutputs as ParameterizedOutputs
-from ._messages import ParameterValue as ParameterValue
 from ._messages import Tensors as Tensors
 from ._messages import carried as carried
 from ._messages import parameters_of as parameters_of
@@ -125,7 +124,8 @@ from ._model_load import load_override_from_http as load_override_from_http
 from ._model_load import parse_config_override as parse_config_override
 from ._model_load import upload_problems as upload_problems
 from ._observer import Observer as Observer
-from ._requests import RequestOptions as RequestOptions
+from ._request_options import ParameterValue as ParameterValue
+from ._request_options import RequestOptions as RequestOptions
 from ._requests import check_field_names as check_field_names
 from ._requests import new_request as new_request
 from ._sequence_tensors import INITIAL_STATE_FOLDER as INITIAL_STATE_FOLDER

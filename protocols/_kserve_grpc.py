@@ -43,8 +43,8 @@ from ._kserve_tensors import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from ._messages import InferResponse, ParameterValue
-from ._requests import RequestOptions
+from ._messages import InferResponse
+from ._request_options import ParameterValue, RequestOptions
 from ._statistics import ModelStatistics
 
 _CONTENTS = {

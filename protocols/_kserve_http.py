@@ -40,7 +40,7 @@ from ._kserve_tensors import (
     tensor_to_bytes,
 )
 from ._messages import InferResponse
-from ._requests import RequestOptions
+from ._request_options import RequestOptions
 
 HEADER_LENGTH = "inference-header-content-length"
 """Triton's binary tensor extension: the length of the JSON header before the tensors."""

@@ -19,8 +19,7 @@ import numpy as np
 
 from ._dtypes import DataType
 from ._errors import InvalidRequestError
-from ._messages import ParameterValue
-from ._requests import RequestOptions
+from ._request_options import ParameterValue, RequestOptions
 
 _RESERVED = frozenset(
     {

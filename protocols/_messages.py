@@ -12,16 +12,13 @@ from typing import Any, TypeAlias
 import attrs
 import numpy as np
 
-ParameterValue: TypeAlias = str | int | float | bool
+from ._request_options import DEFAULT_OPTIONS, ParameterValue, RequestOptions
+
 Tensors: TypeAlias = Mapping[str, np.ndarray[Any, Any]]
 
 
 _SAME: object = object()
 """`InferRequest.derive`'s default: keep the tracing context."""
-
-
-def _mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return {} if value is None else value
 
 
 class Cancellation:
@@ -54,14 +51,11 @@ class InferRequest:
     inputs: Tensors = attrs.field(factory=dict, eq=False, repr=False)
     requested_outputs: frozenset[str] | None = None
     """Names of the outputs wanted; None for all of them."""
-    request_id: str = ""
-    parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict, converter=_mapping)
-    priority: int = 0
-    timeout: float | None = None
-    """Seconds the whole request may take; None for no limit."""
-    sequence_id: int | str = 0
-    sequence_start: bool = False
-    sequence_end: bool = False
+    options: RequestOptions = DEFAULT_OPTIONS
+    """How the client asked to run it: request id, parameters, sequence, priority, timeout
+    (its ``model_version`` and ``outputs`` are the client's request's; an ensemble's
+    requests of its composing models carry the same options, with their own model,
+    version and outputs above)."""
     trace: object | None = attrs.field(default=None, eq=False, repr=False)
     """The tracing context the request's spans are children of (opaque here: an
     OpenTelemetry ``Context`` when the server traces). Travels with the message, so
@@ -70,16 +64,54 @@ class InferRequest:
     """Where a caller that keeps reading asks for the request's cancellation (None: it
     cancels by leaving)."""
 
+    # What a model that takes the ``request`` reads (the runtime reads ``options``).
+
+    @property
+    def request_id(self) -> str:
+        """The client's request id ("": none)."""
+        return self.options.request_id
+
+    @property
+    def parameters(self) -> Mapping[str, ParameterValue]:
+        """The client's request parameters (read-only)."""
+        return self.options.parameters
+
+    @property
+    def priority(self) -> int:
+        """The request's priority (0: the model's default)."""
+        return self.options.priority
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds the whole request may take (None: no limit)."""
+        return self.options.timeout
+
+    @property
+    def sequence_id(self) -> int | str:
+        """The sequence the request belongs to (0 or "": none)."""
+        return self.options.sequence_id
+
+    @property
+    def sequence_start(self) -> bool:
+        """The request starts its sequence."""
+        return self.options.sequence_start
+
+    @property
+    def sequence_end(self) -> bool:
+        """The request ends its sequence."""
+        return self.options.sequence_end
+
     def sequence_parameters(self) -> dict[str, ParameterValue]:
         """The response parameters that say which sequence this request belongs to (empty
         for a request outside a sequence): what a response to it echoes, whoever computed
         the outputs (a cache hit included)."""
-        if self.sequence_id in (0, ""):
+        options = self.options
+        if options.sequence_id in (0, ""):
             return {}
         return {
-            "sequence_id": self.sequence_id,
-            "sequence_start": self.sequence_start,
-            "sequence_end": self.sequence_end,
+            "sequence_id": options.sequence_id,
+            "sequence_start": options.sequence_start,
+            "sequence_end": options.sequence_end,
         }
 
     def with_trace(self, trace: object | None) -> InferRequest:
@@ -103,8 +135,8 @@ class InferRequest:
     ) -> InferRequest:
         """A request for another model that carries this request's metadata unchanged.
 
-        This is how an ensemble forwards request id, parameters, priority, timeout,
-        sequence flags and tracing context to its composing models (cheaper than
+        This is how an ensemble forwards its options (request id, parameters, priority,
+        timeout, sequence flags) and tracing context to its composing models (cheaper than
         `attrs.evolve` on a hot path). ``trace`` replaces the tracing context when given.
         """
         return InferRequest(
@@ -112,13 +144,7 @@ class InferRequest:
             model_version=model_version,
             inputs=inputs,
             requested_outputs=requested_outputs,
-            request_id=self.request_id,
-            parameters=self.parameters,
-            priority=self.priority,
-            timeout=self.timeout,
-            sequence_id=self.sequence_id,
-            sequence_start=self.sequence_start,
-            sequence_end=self.sequence_end,
+            options=self.options,
             trace=self.trace if trace is _SAME else trace,
             cancellation=self.cancellation,
         )

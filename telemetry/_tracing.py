@@ -117,7 +117,7 @@ class RequestTracing:
             {
                 "orchestrion.model.name": model_name,
                 "orchestrion.model.version": version,
-                "orchestrion.request.id": request.request_id,
+                "orchestrion.request.id": request.options.request_id,
                 "orchestrion.batch_size": batch_size,
             }
         )

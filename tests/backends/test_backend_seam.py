@@ -28,6 +28,7 @@ from orchestrion.protocols import (
     InferRequest,
     ModelLoadError,
     ModelTransactionPolicy,
+    RequestOptions,
     SequenceBatching,
     TensorChecker,
 )
@@ -135,7 +136,7 @@ def test_plain_python_gets_read_only_views_and_may_take_the_request() -> None:
     assert not capabilities.batching
     (loaded,) = backend.load()
     x = np.zeros(1, np.float32)
-    request = attrs.evolve(_request(X=x), request_id="r-1")
+    request = attrs.evolve(_request(X=x), options=RequestOptions(request_id="r-1"))
     outputs, _ = backend.execute(loaded, backend.arguments(request, None, loaded))
     assert seen == [(False, "r-1")]
     assert x.flags.writeable  # the caller's own array is untouched

@@ -80,18 +80,24 @@ def test_fields_are_checked_once_whichever_way_in() -> None:
 
 def test_arguments_are_checked_in_their_order() -> None:
     """Unknown keywords first (as Python does), then the model name and inputs, then the
-    fields; the request gets its own parameters."""
+    fields; the request holds the options, whose parameters nobody can change."""
     with pytest.raises(TypeError, match=r"AsyncServer.infer\(\) got an unexpected keyword"):
         new_request("", {}, None, {"bogus": 1}, caller="AsyncServer.infer")
     with pytest.raises(InvalidRequestError, match="model_name must be"):
         new_request("", {}, None, {"priority": -1})
     with pytest.raises(InvalidRequestError, match="options must be a RequestOptions"):
         new_request("m", {}, {"priority": 1})  # type: ignore[arg-type]
-    options = RequestOptions(parameters={"a": 1}, timeout=2)
+    given = {"a": 1}
+    options = RequestOptions(parameters=given, timeout=2)
+    given["a"] = 2  # the caller's dict was copied
     request, used = new_request("m", {}, options)
     assert used is options
+    assert request.options is options
     assert request.parameters == {"a": 1}
-    assert request.parameters is not options.parameters
+    with pytest.raises(TypeError):
+        request.parameters["a"] = 3  # type: ignore[index]
+    derived = request.derive(model_name="s", model_version=1, inputs={}, requested_outputs=None)
+    assert derived.options is options
     assert request.timeout == 2.0
     assert isinstance(request.timeout, float)
 
