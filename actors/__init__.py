@@ -3,8 +3,10 @@
 from ..protocols import Model as Model
 from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
+from ._ensemble_scheduler import Step as Step
 from ._fusion import Fusion as Fusion
 from ._instances import SWITCH_WINDOW as SWITCH_WINDOW
+from ._instances import Instance as Instance
 from ._listed_fusion import ListedFusion as ListedFusion
 from ._load_lock import LoadLock as LoadLock
 from ._model_files import CONFIG_FILE as CONFIG_FILE

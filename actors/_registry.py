@@ -111,11 +111,6 @@ class ModelRegistry:
         """Called with the new `generation` after each change."""
         return self._models.listeners
 
-    @property
-    def _runners(self) -> dict[str, dict[int, Runner]]:
-        """The loaded runners by name and version (tests look at them)."""
-        return self._models.runners
-
     # -- lookup (`LoadedModels`) -----------------------------------------------------------
 
     def use_model_control(self, control: ModelControlCalls | None) -> None:

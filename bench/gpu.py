@@ -35,6 +35,7 @@ from orchestrion.protocols import (
     ModelConfig,
     TensorConfig,
 )
+from orchestrion.testing import inside
 
 SIZES = (512, 2048, 2048, 512)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -107,7 +108,7 @@ async def served(kind: InstanceKind, clients: int, requests: int, max_batch: int
     inputs = rng.standard_normal((clients, 1, SIZES[0])).astype(np.float32)
     latencies: list[float] = []
     async with orchestrion.open_server(models=[served_model(kind, max_batch)]) as server:
-        runner: Any = server._registry.resolve("mlp")
+        runner: Any = inside(server).runner("mlp")
         platform = runner.instances[0].device.platform
         first = await server.infer("mlp", {"X": inputs[0]})
         np.testing.assert_allclose(

@@ -63,6 +63,7 @@ from orchestrion import (
     TensorConfig,
 )
 from orchestrion.protocols import DynamicBatching
+from orchestrion.testing import inside
 
 SHAPE = (1, 16)
 VARIANTS = ("orchestrion", "floor", "sync", "batching")
@@ -350,7 +351,7 @@ def measure_orchestrion(x: np.ndarray, n: int, concurrency: int, warmup: int) ->
 async def _settle(server: orchestrion.AsyncServer) -> None:
     """Wait (at most 60 s) for the fused calls compiling in the background (``--fusion
     xla``): the timed part then measures the server as it will run."""
-    fusion = server._registry.resolve("pipeline")._fusion
+    fusion = inside(server).fusion("pipeline")
     deadline = time.monotonic() + 60
     while fusion is not None and fusion._compiling and time.monotonic() < deadline:  # noqa: ASYNC110
         await trio.sleep(0.01)

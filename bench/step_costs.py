@@ -27,6 +27,7 @@ from orchestrion.protocols import (
     ModelConfig,
     TensorConfig,
 )
+from orchestrion.testing import inside
 
 ROW = (1, 16)
 X = np.arange(16, dtype=np.float32).reshape(ROW)
@@ -96,8 +97,8 @@ def loop_cost(fn: Callable[[], Any], n: int = 20000) -> float:
 async def layers() -> list[tuple[str, float]]:
     """The cost of each layer of one synchronous step."""
     async with orchestrion.open_server(models=[_model("m")]) as server:
-        registry = server._registry
-        runner = registry.resolve("m")
+        registry = inside(server).registry
+        runner = inside(server).runner("m")
         instance = runner.instances[0]
         request = InferRequest(model_name="m", inputs={"X": X}, requested_outputs=frozenset({"Y"}))
         fn = jax.jit(lambda X: {"Y": X * 2 + 1})

@@ -32,6 +32,7 @@ from _common import table
 import orchestrion
 from orchestrion.backends import backend_for
 from orchestrion.protocols import DataType, ModelConfig, TensorConfig
+from orchestrion.testing import inside
 
 HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE.parent / "tests" / "triton_models"
@@ -99,7 +100,7 @@ def _per_call_us(fn: Callable[[], Any], seconds: float) -> float:
 def _copy(server: orchestrion.AsyncServer, name: str, execution: str) -> orchestrion.Model:
     """The repository's python model ``name`` again, as ``<name>_<execution>`` with
     ``parameters { execution: <execution> }`` (the class as loaded, no file changed)."""
-    loaded = server._registry.resolve(name).model
+    loaded = inside(server).runner(name).model
     config = attrs.evolve(
         loaded.config,
         name=f"{name}_{execution}",

@@ -4,8 +4,9 @@ Models and ensembles built in one line (`model`, `ensemble`, `step`, ...), check
 server is back at rest (`assert_idle`), a throwaway ``redis-server`` (`RedisServer`), a
 Redis Cluster (`RedisClusterServers`) or Sentinels (`RedisSentinels`) of them,
 ``orchestrion serve`` in a child process (`start_server`) or both front ends inside a trio
-program (`front_ends`), and the mixed load the reliability tests and benchmarks share. The
-project's tests and ``bench/`` use them; nothing here imports pytest.
+program (`front_ends`), a look inside a running server's runtime (`inside`), and the mixed
+load the reliability tests and benchmarks share. The project's tests and ``bench/`` use them;
+nothing here imports pytest.
 """
 
 from ._builders import StepRecorder as StepRecorder
@@ -31,6 +32,8 @@ from ._cache_contract import check_response_cache as check_response_cache
 from ._front_ends import FRONTEND_VARIABLE as FRONTEND_VARIABLE
 from ._front_ends import front_ends as front_ends
 from ._front_ends import frontend_under_test as frontend_under_test
+from ._inside import Inside as Inside
+from ._inside import inside as inside
 from ._mixed_load import at_rest as at_rest
 from ._mixed_load import case as case
 from ._mixed_load import check as check

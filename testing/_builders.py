@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from orchestrion import AsyncServer, Model
-from orchestrion.actors import SWITCH_WINDOW, EnsembleRunner, Fusion, ListedFusion, ModelRunner
+from orchestrion.actors import SWITCH_WINDOW, EnsembleRunner, Fusion, ListedFusion
 from orchestrion.protocols import (
     DataType,
     EnsembleScheduling,
@@ -31,6 +31,8 @@ from orchestrion.protocols import (
     ResponseCache,
     TensorConfig,
 )
+
+from ._inside import inside
 
 
 def tensor(name: str, dtype: str = "FP32", dims: Sequence[int] = (16,), **kw: Any) -> TensorConfig:
@@ -203,23 +205,18 @@ async def outcome(server: AsyncServer, into: list[Any], *args: Any, **kw: Any) -
 
 def assert_idle(server: AsyncServer, *ensembles: str) -> None:
     """Every counter is back at rest: steps, slots, pending counts, model queues, busy flags."""
-    registry = server._registry
     for name in ensembles:
         for step_stats in server.step_statistics(name):
             assert (step_stats.queued, step_stats.in_flight) == (0, 0), step_stats
-        ensemble = registry.resolve(name)
-        assert isinstance(ensemble, EnsembleRunner), name
-        for s in ensemble._steps:
+        for s in inside(server).steps(name):
             if s.slots is not None:  # the actor holds one slot while it waits to receive
                 assert s.slots.value >= s.capacity - 1, (name, s.plan.index, s.slots.value)
     for stats in server.model_statistics():
         assert stats.pending_request_count == 0, stats
-    for name in server.model_names():
-        for version in server.model_versions(name):
-            runner = registry.resolve(name, version)
-            if isinstance(runner, ModelRunner):
-                assert runner.queued == 0, name
-                assert not any(i.busy for i in runner.instances), name
+    for name, _, runner in inside(server).loaded():
+        if not isinstance(runner, EnsembleRunner):
+            assert runner.queued == 0, name
+            assert not any(i.busy for i in runner.instances), name
 
 
 def cached(definition: Model, enable: bool = True) -> Model:
@@ -274,14 +271,10 @@ async def infer_until_inline(
     busy machine) and comes back inline once a window of its executions proves short."""
     for _ in range(windows * SWITCH_WINDOW):
         await server.infer(name, dict(inputs))
-        runner = server._registry.resolve(model)
-        assert isinstance(runner, ModelRunner), model
-        if all(instance.inline for instance in runner.instances):
+        if all(instance.inline for instance in inside(server).instances(model)):
             return True
     return False
 
 
 def _fusion_of(server: AsyncServer, name: str) -> Fusion | ListedFusion | None:
-    ensemble = server._registry.resolve(name)
-    assert isinstance(ensemble, EnsembleRunner), name
-    return ensemble._fusion
+    return inside(server).fusion(name)

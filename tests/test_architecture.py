@@ -158,6 +158,25 @@ def test_the_runners_parts_receive_the_executor() -> None:
     assert reaching == []
 
 
+def test_tests_look_inside_a_server_through_one_object() -> None:
+    """Tests, benchmarks and ``orchestrion.testing`` reach a running server's runtime
+    through `orchestrion.testing.inside` alone, not through the server's private
+    attributes (its registry, an ensemble's fusion or steps)."""
+    private = {"_registry", "_fusion", "_steps", "_runners"}
+    places = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    places += (ROOT / "testing").glob("*.py")
+    reaching = []
+    for path in sorted(places):
+        if path == ROOT / "testing" / "_inside.py" or path == Path(__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id == "self"):
+                    reaching.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert reaching == []
+
+
 def _every_module(root: Path = ROOT) -> list[Path]:
     """Every module of the package, ``testing/`` and the top level included."""
     return sorted(

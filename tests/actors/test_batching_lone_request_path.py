@@ -11,7 +11,7 @@ import trio.testing
 
 import orchestrion
 from orchestrion.protocols import InferenceError
-from orchestrion.testing import assert_idle, cached, ensemble, outcome, step, tensor
+from orchestrion.testing import assert_idle, cached, ensemble, inside, outcome, step, tensor
 from support.batching import ROW, batching, plain, row
 
 
@@ -78,7 +78,7 @@ async def test_guard_cancel_in_the_checkpoint_leaves_the_short_path_open() -> No
     tasks: list[object] = []
     m = batching(plain("m", recorder(calls, tasks)))
     async with orchestrion.open_server(models=[m]) as server:
-        runner = server._registry.resolve("m")
+        runner = inside(server).runner("m")
         with trio.CancelScope() as scope:
             scope.cancel()
             await server.infer("m", {"X": row(1)})

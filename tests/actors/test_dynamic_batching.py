@@ -21,7 +21,7 @@ from orchestrion.protocols import (
     QueuePolicy,
 )
 from orchestrion.protocols._kserve_documents import model_statistics_json
-from orchestrion.testing import assert_idle, ensemble, model, outcome, step, tensor
+from orchestrion.testing import assert_idle, ensemble, inside, model, outcome, step, tensor
 from support.batching import ROW, batching, plain, row
 
 
@@ -228,7 +228,7 @@ async def test_jitted_batches_pad_to_sizes_compiled_at_load() -> None:
         max_queue_delay_microseconds=500,
     )
     async with orchestrion.open_server(models=[m]) as server:
-        runner = server._registry.resolve("mlp")
+        runner = inside(server).runner("mlp")
         compiled = set(runner.instances[0].compiled)
         assert {s[0][0] for s in compiled if s[0] is not None} == {1, 2, 4, 8}
         results: list[Any] = []

@@ -21,6 +21,7 @@ from orchestrion.testing import (
     ensemble,
     fused,
     infer_until_fused,
+    inside,
     model,
     settled,
     step,
@@ -210,7 +211,7 @@ async def test_fusion_resumes_once_the_schedulers_requests_leave_the_steps(
     async with orchestrion.open_server(models=_limited("on")) as server:
         await server.infer("pipe", {"IN": np.ones((1, 16), np.float32)})
         assert fused(server)
-        runner_class = type(server._registry.resolve("pipe"))
+        runner_class = type(inside(server).ensemble("pipe"))
         scheduled: list[int] = []
         schedule = runner_class._scheduled
 
@@ -303,7 +304,7 @@ class _CancelAtFirstYield(trio.abc.Instrument):
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self.task and self.scope is not None:
-            fusion = self.server._registry.resolve("pipe")._fusion
+            fusion = inside(self.server).fusion("pipe")
             self.collecting = fusion is not None and fusion._pass.collecting
             self.scope.cancel()
             self.scope = None
@@ -442,7 +443,7 @@ async def test_unloading_an_xla_ensemble_mid_compile_neither_waits_nor_fails() -
         for _ in range(3):
             await server.infer("pipe", {"IN": np.ones(16, np.float32)})
         assert await settled(server)
-        old = server._registry.resolve("pipe")._fusion
+        old = inside(server).fusion("pipe")
         response = await server.infer("pipe", {"IN": np.ones(20, np.float32)})
         np.testing.assert_array_equal(response.outputs["OUT"], np.full(20, -2, np.float32))
         assert old._compiling  # the fused call for 20 elements compiles in the background

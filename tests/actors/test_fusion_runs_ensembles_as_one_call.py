@@ -21,6 +21,7 @@ from orchestrion.testing import (
     ensemble,
     fused,
     infer_until_fused,
+    inside,
     model,
     settled,
     step,
@@ -330,7 +331,7 @@ async def test_cancelled_and_timed_out_requests_in_a_gathered_batch_get_one_outc
             async with trio.open_nursery() as nursery:
                 for i in range(48):
                     nursery.start_soon(one, i)
-        fusion = server._registry.resolve("pipe")._fusion
+        fusion = inside(server).fusion("pipe")
         assert fusion is not None
         assert fusion._pass.waiting == 0
         assert all(s.pending_request_count == 0 for s in server.model_statistics())
@@ -345,7 +346,7 @@ async def test_xla_mode_compiles_the_whole_graph_in_the_background() -> None:
     async with orchestrion.open_server(models=_models(fusion="xla")) as server:
         x = RNG.standard_normal(16).astype(np.float32)
         assert await infer_until_fused(server, "pipe", {"IN": x})
-        fusion = server._registry.resolve("pipe")._fusion
+        fusion = inside(server).fusion("pipe")
         assert fusion is not None
         assert fusion.mode == "xla"
         assert len(fusion._ready) == 1

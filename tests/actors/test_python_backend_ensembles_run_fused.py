@@ -24,6 +24,7 @@ from orchestrion.testing import (
     ensemble,
     fused,
     infer_until_fused,
+    inside,
     step,
     tensor,
     triton_model,
@@ -153,7 +154,7 @@ async def test_concurrent_requests_get_their_own_rows_and_each_step_sees_each_on
         after = {s.name: s.execution_count for s in server.model_statistics()}
         executions = after["pre"] - before["pre"]
         if mode == "on":
-            assert isinstance(server._registry.resolve("pipe")._fusion, ListedFusion)
+            assert isinstance(inside(server).fusion("pipe"), ListedFusion)
             assert 2 <= executions < 16  # batches of at most 8 requests
         assert_idle(server, "pipe")
 
@@ -273,13 +274,13 @@ async def test_a_slow_step_leaves_the_event_loop_and_the_ensemble_its_fusion() -
     seen: list[tuple[str, float]] = []
     async with orchestrion.open_server(models=_pipeline(seen, "on", first=pre)) as server:
         await _warm(server, "on")
-        runner = server._registry.resolve("pre")
+        runner = inside(server).runner("pre")
         slow = True
         for _ in range(40):
             out = await server.infer("pipe", {"IN": _row(1.0)})
             assert out.outputs["L"].tolist() == [[30.0] * 4]
         assert not runner.instances[0].inline
-        fusion = server._registry.resolve("pipe")._fusion
+        fusion = inside(server).fusion("pipe")
         assert isinstance(fusion, ListedFusion)
         assert not fusion.idle()  # pre has no inline instance: requests are scheduled
 
@@ -312,4 +313,4 @@ async def test_a_bls_step_is_not_fused() -> None:
         for _ in range(20):
             out = await server.infer("pipe", {"IN": _row(2.0, False)})
             assert out.outputs["OUT"].tolist() == [20.0] * 4
-        assert server._registry.resolve("pipe")._fusion is None
+        assert inside(server).fusion("pipe") is None

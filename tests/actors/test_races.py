@@ -27,6 +27,7 @@ from orchestrion.testing import (
     double,
     ensemble,
     gated,
+    inside,
     model,
     outcome,
     step,
@@ -285,7 +286,7 @@ async def test_unloading_a_threaded_model_answers_its_queued_work_once() -> None
     release = threading.Event()
     results: list[Any] = []
     async with orchestrion.open_server(models=[_held_in_a_thread("held", release)]) as server:
-        runner = server._registry.resolve("held")
+        runner = inside(server).runner("held")
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(outcome, server, results, "held", {"X": X})
@@ -305,7 +306,7 @@ async def test_reloading_a_threaded_model_with_queued_work_answers_each_request_
     release = threading.Event()
     results: list[Any] = []
     async with orchestrion.open_server(models=[_held_in_a_thread("held", release)]) as server:
-        old = server._registry.resolve("held")
+        old = inside(server).runner("held")
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(outcome, server, results, "held", {"X": X})
@@ -317,7 +318,7 @@ async def test_reloading_a_threaded_model_with_queued_work_answers_each_request_
         values = sorted(float(r.outputs["Y"][0]) for r in results)
         assert values == [1.0, 1.0, 1.0, 2.0]
         # The reloaded version keeps counting on (counters never go backwards): 3 old + 1 new.
-        assert old.stats is server._registry.resolve("held").stats
+        assert old.stats is inside(server).runner("held").stats
         assert server.model_statistics("held")[0].execution_count == 4
         assert_idle(server)
 
@@ -327,7 +328,7 @@ async def test_a_cancelled_threaded_execution_keeps_its_instance_busy_until_it_e
     release = threading.Event()
     results: list[Any] = []
     async with orchestrion.open_server(models=[_held_in_a_thread("held", release)]) as server:
-        runner = server._registry.resolve("held")
+        runner = inside(server).runner("held")
         async with trio.open_nursery() as nursery:
             given_up = trio.CancelScope()
 
@@ -373,7 +374,7 @@ async def test_an_instance_switching_between_inline_and_thread_never_overlaps() 
     models = [auto, chain("chain", "auto", "auto", max_inflight_requests=2)]
     results: list[Any] = []
     async with orchestrion.open_server(models=models) as server:
-        instance = server._registry.resolve("auto").instances[0]
+        instance = inside(server).instances("auto")[0]
         assert not instance.inline  # unmeasured: starts in a thread
         for _ in range(4):
             async with trio.open_nursery() as nursery:
@@ -428,7 +429,7 @@ async def test_new_shapes_never_compile_on_the_event_loop_under_concurrency() ->
         assert {float(v) for r in results for v in next(iter(r.outputs.values()))} == {1.0, 2.0}
         assert traced_on_main
         assert not any(traced_on_main)
-        for instance in server._registry.resolve("any_length").instances:
+        for instance in inside(server).instances("any_length"):
             assert instance.compiled <= {((3,),), ((5,),), ((7,),)}
         assert_idle(server, "chain")
 

@@ -24,7 +24,7 @@ from orchestrion.protocols import (
     InvalidRequestError,
     SequenceBatching,
 )
-from orchestrion.testing import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, inside, model, step, tensor
 
 X = np.ones(2, np.float32)
 
@@ -123,7 +123,7 @@ async def test_a_slow_stateful_jit_model_starts_in_a_thread() -> None:
 
     m = stateful(heavy, jit=True, init=lambda c: np.eye(n, dtype=np.float32))
     async with orchestrion.open_server(models=[m]) as server:
-        instance = server._registry._runners["acc"][1].instances[0]
+        instance = inside(server).instances("acc", 1)[0]
         assert not instance.inline  # observed: inline (only the dispatch was timed)
 
 

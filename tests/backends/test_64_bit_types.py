@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import orchestrion
-from orchestrion.testing import ensemble, model, step, tensor
+from orchestrion.testing import ensemble, inside, model, step, tensor
 
 BIG = np.array([2**40 + 1, 2**53 + 3, -(2**62), 7], np.int64)
 
@@ -112,7 +112,7 @@ async def test_64_bit_steps_run_in_an_ensemble_unfused() -> None:
     )
     async with orchestrion.open_server(models=[first, second, both]) as server:
         out = (await server.infer("both", {"IN": BIG})).outputs["OUT"]
-        assert server._registry.resolve("first").capabilities.traceable is False
+        assert inside(server).runner("first").capabilities.traceable is False
     assert out.tolist() == ((BIG + np.int64(2**33)) * np.int64(3)).tolist()  # int64 wraps
 
 

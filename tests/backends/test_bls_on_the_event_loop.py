@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 import orchestrion
 from orchestrion import InferenceTimeoutError
 from orchestrion.actors._instances import SWITCH_WINDOW
-from orchestrion.testing import model, tensor, triton_model
+from orchestrion.testing import inside, model, tensor, triton_model
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "triton_models"
 A = np.array([1, 2, 3, 4], np.float32)
@@ -68,7 +68,7 @@ def _callee(pause: float = 0.0) -> orchestrion.Model:
 
 
 async def _until_inline(server: orchestrion.AsyncServer, name: str, windows: int = 25) -> bool:
-    runner = server._registry.resolve(name)
+    runner = inside(server).runner(name)
     for _ in range(windows * SWITCH_WINDOW):
         out = await server.infer(name, {"X": ONE})
         assert out.outputs["Y"].tolist() == [2.0]
@@ -84,7 +84,7 @@ async def test_the_bls_example_comes_inline_and_answers_as_before() -> None:
     async with orchestrion.open_server(
         model_repository=REPOSITORY, load_models=["bls", "add_sub"]
     ) as server:
-        bls = server._registry.resolve("bls")
+        bls = inside(server).runner("bls")
         assert bls.capabilities.waits_through_portal
         name = np.array([b"add_sub"], dtype=object)
         inputs = {"MODEL_NAME": name, "INPUT0": A, "INPUT1": B}
@@ -121,7 +121,7 @@ async def test_waiting_on_a_slow_callee_is_not_the_models_time_and_the_loop_serv
             for _ in range(10):
                 out = await server.infer("forward", {"X": ONE})
                 assert out.outputs["Y"].tolist() == [2.0]
-        assert server._registry.resolve("forward").instances[0].inline
+        assert inside(server).instances("forward")[0].inline
         assert len(answered) == 20
         assert sorted(answered)[10] < 0.004  # not held up behind the 5 ms waits
 
@@ -134,7 +134,7 @@ async def test_a_bls_model_whose_own_code_is_slow_leaves_the_loop() -> None:
         for _ in range(3 * SWITCH_WINDOW):
             out = await server.infer("slow_own", {"X": ONE})
             assert out.outputs["Y"].tolist() == [2.0]
-        assert not server._registry.resolve("slow_own").instances[0].inline
+        assert not inside(server).instances("slow_own")[0].inline
 
 
 async def test_the_clients_timeout_cancels_an_inline_bls_call() -> None:
@@ -178,7 +178,7 @@ async def test_a_decoupled_bls_call_reads_its_responses_inline(name: str) -> Non
     async with orchestrion.open_server(
         model_repository=REPOSITORY, load_models=[name, "square"]
     ) as server:
-        runner = server._registry.resolve(name)
+        runner = inside(server).runner(name)
         assert runner.capabilities.waits_through_portal
         for _ in range(25 * SWITCH_WINDOW):
             out = (await server.infer(name, {"IN": np.array([3], np.int32)})).outputs
@@ -211,9 +211,9 @@ async def test_code_that_cannot_wait_through_a_portal_stays_threaded() -> None:
         model_repository=REPOSITORY, load_models=["square"], models=[_callee(), threaded]
     ) as server:
         for name in ("threaded", "square"):
-            capabilities = server._registry.resolve(name).capabilities
+            capabilities = inside(server).runner(name).capabilities
             assert not capabilities.waits_through_portal
         for _ in range(3 * SWITCH_WINDOW):
             out = await server.infer("threaded", {"X": ONE})
             assert out.outputs["Y"].tolist() == [2.0]
-        assert not server._registry.resolve("threaded").instances[0].inline
+        assert not inside(server).instances("threaded")[0].inline

@@ -12,7 +12,7 @@ import trio.testing
 
 import orchestrion
 from orchestrion.actors._instances import SWITCH_WINDOW
-from orchestrion.testing import model, tensor
+from orchestrion.testing import inside, model, tensor
 
 
 def _sleepy(count: int) -> orchestrion.Model:
@@ -84,7 +84,7 @@ async def test_slow_models_move_to_a_thread_after_a_window_of_slow_calls() -> No
     window of its calls was slow."""
     slow, slow_on_main = _where(None, 0.003)
     async with orchestrion.open_server(models=[slow]) as server:
-        instance = server._registry.resolve("m").instances[0]
+        instance = inside(server).instances("m")[0]
         instance.inline, instance.window = True, 0  # as if it had been fast until now
         for _ in range(SWITCH_WINDOW + 3):
             await server.infer("m", {"X": np.zeros(16, np.float32)})
@@ -106,7 +106,7 @@ async def test_a_fast_model_slowed_down_from_outside_stays_inline() -> None:
 
     definition = model("m", execute, [tensor("X")], [tensor("Y")], jit=False)
     async with orchestrion.open_server(models=[definition]) as server:
-        instance = server._registry.resolve("m").instances[0]
+        instance = inside(server).instances("m")[0]
         instance.inline, instance.window = True, 0
         for _ in range(3 * SWITCH_WINDOW):
             await server.infer("m", {"X": np.zeros(16, np.float32)})

@@ -23,7 +23,7 @@ from orchestrion.protocols import (
     ModelConfig,
     ModelLoadError,
 )
-from orchestrion.testing import tensor
+from orchestrion.testing import inside, tensor
 from support import onnx_graphs
 
 VALUES: dict[DataType, np.ndarray[Any, Any]] = {
@@ -171,7 +171,7 @@ async def test_an_onnx_config_without_its_graph_is_refused() -> None:
 
 
 def _sessions(server: orchestrion.AsyncServer, name: str) -> list[Any]:
-    runner = server._registry.resolve(name)  # the runtime's own view of its instances
+    runner = inside(server).runner(name)  # the runtime's own view of its instances
     return [instance.loaded.params for instance in runner.instances]  # type: ignore[union-attr]
 
 
@@ -249,7 +249,7 @@ async def test_auto_instances_run_on_the_cpu_without_cuda() -> None:
     async with orchestrion.open_server(
         models=[_python_model(onnx_graphs.add(dims=(4,)))]
     ) as server:
-        (instance,) = server._registry.resolve("sum").instances  # type: ignore[union-attr]
+        (instance,) = inside(server).instances("sum")  # type: ignore[union-attr]
         a = np.ones(4, np.float32)
         response = await server.infer("sum", {"A": a, "B": a})
     assert instance.device == "cpu"

@@ -27,7 +27,7 @@ from orchestrion.protocols import (
     ModelTransactionPolicy,
     ResponseCache,
 )
-from orchestrion.testing import assert_idle, ensemble, model, step, tensor, triton_model
+from orchestrion.testing import assert_idle, ensemble, inside, model, step, tensor, triton_model
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "triton_models"
 A = np.array([1, 2, 3, 4], np.float32)
@@ -652,7 +652,7 @@ async def test_python_and_jax_steps_mix_in_one_ensemble() -> None:
         # A python step beside a jitted one: neither kind of fused call takes both.
         for _ in range(3 * SWITCH_WINDOW):
             await server.infer("mixed", {"A": A, "B": B})
-        assert server._registry.resolve("mixed")._fusion is None
+        assert inside(server).fusion("mixed") is None
 
 
 async def test_a_decoupled_python_model_streams_through_an_ensemble() -> None:
@@ -812,8 +812,8 @@ async def test_a_model_that_never_calls_the_server_comes_inline() -> None:
     starts in a worker thread and comes inline once a window of calls proves short. (A BLS
     model may come inline too, waiting through a portal: test_bls_on_the_event_loop.py.)"""
     async with _repository("add_sub", "bls") as server:
-        add_sub = server._registry.resolve("add_sub")
-        bls = server._registry.resolve("bls")
+        add_sub = inside(server).runner("add_sub")
+        bls = inside(server).runner("bls")
         assert add_sub.capabilities.may_run_inline
         assert not add_sub.capabilities.waits_through_portal
         assert bls.capabilities.waits_through_portal
@@ -862,7 +862,7 @@ async def test_a_dynamically_batched_model_is_judged_by_its_own_time_not_the_hop
     model's time, so a short model comes inline after a window of calls, as an unbatched
     one does."""
     async with orchestrion.open_server(models=[_echo("echo", _Echo)]) as server:
-        echo = server._registry.resolve("echo")
+        echo = inside(server).runner("echo")
         assert not echo.instances[0].inline  # unmeasured: starts in a thread
         one = np.ones((1, 1), np.float32)
         for _ in range(25 * SWITCH_WINDOW):  # a busy machine can slow a whole window
@@ -880,7 +880,7 @@ async def test_a_slow_dynamically_batched_model_stays_in_its_thread() -> None:
     blocking call the event loop must not wait on) stays in a worker thread."""
     definition = _echo("sleepy_batched", _SlowEcho)
     async with orchestrion.open_server(models=[definition]) as server:
-        runner = server._registry.resolve("sleepy_batched")
+        runner = inside(server).runner("sleepy_batched")
         for _ in range(3 * SWITCH_WINDOW):
             await server.infer("sleepy_batched", {"X": np.ones((1, 1), np.float32)})
         assert not runner.instances[0].inline
