@@ -1,7 +1,6 @@
 """The runtime: model instances, ensemble steps and the registry, as trio actors."""
 
 from ..protocols import Model as Model
-from ._definition import check_model as check_model
 from ._ensemble import EnsembleRunner as EnsembleRunner
 from ._ensemble_scheduler import Step as Step
 from ._fusion import Fusion as Fusion

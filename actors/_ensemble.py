@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import trio
 
 from ..protocols import (
+    CustomMetricFamily,
     EnsembleGraph,
     InferRequest,
     InferResponse,
@@ -58,6 +59,8 @@ _log = logging.getLogger("orchestrion")
 @attrs.define(eq=False)
 class EnsembleRunner:
     """One loaded ensemble: its graph, its step actors and their channels."""
+
+    is_ensemble: ClassVar[bool] = True
 
     config: ModelConfig
     version: int
@@ -124,6 +127,15 @@ class EnsembleRunner:
     def step_statistics(self) -> tuple[StepStatistics, ...]:
         """The live queue depth, in-flight count and blocked time of every step."""
         return self._scheduler.step_statistics()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """An ensemble's own code makes no metric families (its models' do)."""
+        return []
+
+    async def passes_own_check(self) -> bool:
+        """An ensemble has no code of its own to ask: loaded is ready."""
+        await trio.lowlevel.checkpoint()
+        return True
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -208,7 +220,7 @@ class EnsembleRunner:
         await trio.lowlevel.checkpoint_if_cancelled()
         return self._response(request, requested, produced)
 
-    async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+    async def responses(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
         """One response per iteration of the ensemble's decoupled step, as they come.
 
         Each response of a decoupled step is an iteration: the steps after it run once per

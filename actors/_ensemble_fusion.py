@@ -32,9 +32,16 @@ import numpy as np
 import trio
 
 from ..backends import on_default_device
-from ..protocols import InferRequest, ModelConfig, OrchestrionError, StepPlan, Tensors
+from ..protocols import (
+    FusionMode,
+    InferRequest,
+    ModelConfig,
+    OrchestrionError,
+    StepPlan,
+    Tensors,
+    fusion_mode,
+)
 from ._batch_queue import batch_size
-from ._definition import FusionMode, fusion_mode
 from ._ensemble_scheduler import Router, Scheduler
 from ._executor import Executor
 from ._fusion import Fusion, SignatureState

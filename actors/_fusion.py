@@ -49,9 +49,8 @@ import numpy as np
 import trio
 
 from ..backends import TracedCall, concatenate, repeat_last_row, rows_view, take_rows
-from ..protocols import ModelConfig, StepPlan, Tensors, expected_shape
+from ..protocols import FusionMode, ModelConfig, StepPlan, Tensors, expected_shape
 from ._batch_queue import OnePass, gathered_batches
-from ._definition import FusionMode
 from ._executor import Executor
 from ._instances import THREAD_ABOVE_NS, Instance
 from ._watchdog import LoopHolder, loop_holder

@@ -22,7 +22,6 @@ the loop while one runs inline.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Hashable
 from typing import Any
@@ -33,12 +32,13 @@ import trio
 
 from ..backends import Backend, LoadedInstance
 from ..protocols import (
+    ExecutionMode,
     InferenceError,
     InferRequest,
-    ModelConfig,
     TensorChecker,
     Tensors,
     carried,
+    execution_mode,
 )
 from ._watchdog import THREAD_HINT, LoopHolder, loop_holder
 
@@ -49,22 +49,6 @@ INLINE_BELOW_NS = 100_000
 SWITCH_WINDOW = 8
 """Executions an instance is judged over: it switches when the fastest of them is on the
 other side of a threshold."""
-
-
-class ExecutionMode(enum.StrEnum):
-    """Where a model's executions run (its ``execution`` parameter)."""
-
-    AUTO = "auto"
-    """Measured per instance (see the module)."""
-    INLINE = "inline"
-    """Always on the event loop."""
-    THREAD = "thread"
-    """Always in a worker thread."""
-
-
-def execution_mode(config: ModelConfig) -> ExecutionMode:
-    """The model's ``execution`` parameter (checked by `check_model` at load)."""
-    return ExecutionMode(config.parameters.get("execution", ExecutionMode.AUTO))
 
 
 Timings = tuple[int, int, int]

@@ -13,8 +13,8 @@ it, so a load, reload or unload never lets a cache answer with another revision'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import ClassVar, Protocol
 
 import attrs
 import xxhash
@@ -35,8 +35,6 @@ from ..protocols import (
     Tensors,
     is_decoupled,
 )
-from ._ensemble import EnsembleRunner
-from ._runner import ModelRunner
 from ._stats import StatsRecorder
 
 
@@ -72,6 +70,25 @@ class Runner(Protocol):
 
     @property
     def revision(self) -> str: ...
+
+    # What differs between a model and an ensemble, asked instead of switched on.
+
+    is_ensemble: ClassVar[bool]
+
+    def responses(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]: ...
+
+    def step_statistics(self) -> tuple[StepStatistics, ...]: ...
+
+    def custom_metrics(self) -> list[CustomMetricFamily]: ...
+
+    @property
+    def drained(self) -> bool: ...
+
+    def begin_close(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def passes_own_check(self) -> bool: ...
 
 
 @attrs.define(eq=False)
@@ -152,7 +169,7 @@ class LoadedModels:
     def is_ensemble(self, name: str) -> bool:
         """Whether a loaded version of ``name`` is an ensemble."""
         versions = self.runners.get(name) or {}
-        return any(isinstance(r, EnsembleRunner) for r in versions.values())
+        return any(r.is_ensemble for r in versions.values())
 
     # -- statistics ------------------------------------------------------------------------
 
@@ -177,7 +194,7 @@ class LoadedModels:
     def step_statistics(self, ensemble: str) -> tuple[StepStatistics, ...]:
         """Live per-step state of the latest version of an ensemble."""
         runner = self.resolve(ensemble)
-        if not isinstance(runner, EnsembleRunner):
+        if not runner.is_ensemble:
             raise InvalidRequestError(f"model '{ensemble}' is not an ensemble")
         return runner.step_statistics()
 
@@ -187,19 +204,13 @@ class LoadedModels:
             family
             for name in self.model_names()
             for runner in self._sorted(name)
-            if isinstance(runner, ModelRunner)
-            for family in runner.backend.custom_metrics()
+            for family in runner.custom_metrics()
         ]
 
     def all_step_statistics(self) -> list[StepStatistics]:
         """Live per-step state of the latest version of every loaded ensemble."""
         latest = [self._sorted(name)[-1] for name in self.model_names()]
-        return [
-            step
-            for runner in latest
-            if isinstance(runner, EnsembleRunner)
-            for step in runner.step_statistics()
-        ]
+        return [step for runner in latest for step in runner.step_statistics()]
 
     # -- revisions -------------------------------------------------------------------------
 

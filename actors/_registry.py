@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from ..backends import check_model
 from ..caches import CacheActor
 from ..protocols import (
     ConfigError,
@@ -41,7 +42,6 @@ from ..protocols import (
     validate_repository,
 )
 from ..telemetry import RequestTracing
-from ._definition import check_model
 from ._ensemble import EnsembleRunner
 from ._executor import Executor
 from ._load_lock import LoadLock
@@ -95,7 +95,7 @@ class ModelRegistry:
     statistics_sources: list[Callable[[], None]] = attrs.field(factory=list, init=False)
     """Called before statistics are read, to bring in counts kept elsewhere (the hits of
     the native front end's cache tier)."""
-    _draining: list[EnsembleRunner] = attrs.field(factory=list)
+    _draining: list[Runner] = attrs.field(factory=list)
     """Unloaded (or replaced) ensembles whose running requests have not all finished."""
 
     def __attrs_post_init__(self) -> None:
@@ -136,8 +136,7 @@ class ModelRegistry:
         python-backend model's ``is_ready()``); an ensemble is ready when loaded."""
         if not self._router.is_ready(name, version):
             return False
-        runner = self._models.resolve(name, version)
-        return not isinstance(runner, ModelRunner) or await runner.backend.ready()
+        return await self._models.resolve(name, version).passes_own_check()
 
     def revision(self, runner: Runner) -> str:
         """The fingerprint of everything that computes ``runner``'s answers (see
@@ -349,7 +348,7 @@ class ModelRegistry:
     def _loaded(self, runner: Runner, load_ns: int) -> None:
         stats = runner.stats
         stats.load_ns = load_ns
-        stats.is_ensemble = isinstance(runner, EnsembleRunner)
+        stats.is_ensemble = runner.is_ensemble
         stats.cache_enabled = self.cache is not None and caches(runner.config)
 
     async def _close_runners(self, runners: Mapping[str, Mapping[int, Runner]]) -> None:
@@ -359,15 +358,11 @@ class ModelRegistry:
         """
         every = [r for versions in runners.values() for r in versions.values()]
         for runner in every:
-            if isinstance(runner, EnsembleRunner):
-                runner.begin_close()
-                # Until its runs are done, it still uses its models (see `_uses`).
+            runner.begin_close()
+            if not runner.drained:  # an ensemble's runs still use its models (`_uses`)
                 self._draining.append(runner)
-            elif isinstance(runner, ModelRunner):
-                runner.close()
         for runner in every:
-            if isinstance(runner, EnsembleRunner):
-                await runner.close()
+            await runner.close()
 
     def _uses(self) -> dict[str, set[str]]:
         """For each loaded or still draining ensemble, the models its steps use."""
@@ -452,8 +447,8 @@ class ModelRegistry:
         self._models.closing = True
         for versions in self._models.runners.values():
             for runner in versions.values():
-                if isinstance(runner, ModelRunner):
-                    runner.close()
+                if not runner.is_ensemble:  # an ensemble's actors end with their nursery
+                    runner.begin_close()
         self._models.runners = {}
         self._models.changed()
 

@@ -22,7 +22,13 @@ from pathlib import Path
 
 import attrs
 
-from ..backends import auto_complete, complete_onnx_config, import_code_file, stub_name_problem
+from ..backends import (
+    auto_complete,
+    check_model,
+    complete_onnx_config,
+    import_code_file,
+    stub_name_problem,
+)
 from ..protocols import (
     ENSEMBLE_PLATFORM,
     ONNX_PLATFORM,
@@ -35,7 +41,6 @@ from ..protocols import (
     VersionPolicy,
     parse_model_config,
 )
-from ._definition import check_model
 from ._model_files import (
     CONFIG_FILE,
     DEFAULT_MODEL_FILE,

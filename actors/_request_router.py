@@ -46,11 +46,9 @@ from ..protocols import (
 )
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._batch_queue import batch_size
-from ._ensemble import EnsembleRunner
 from ._ensemble_fusion import fusable
 from ._executor import Executor
 from ._loaded_models import LoadedModels, Runner
-from ._runner import ModelRunner
 
 
 class ModelControlCalls(Protocol):
@@ -347,15 +345,9 @@ class RequestRouter:
         start, request, span = self._started(runner, request, False)
         error: BaseException | None = None
         try:
-            if isinstance(runner, EnsembleRunner):
-                async with contextlib.aclosing(runner.stream(request)) as responses:
-                    async for response in responses:
-                        yield response
-            else:
-                assert isinstance(runner, ModelRunner)
-                async with contextlib.aclosing(runner.stream(request)) as outputs:
-                    async for produced in outputs:
-                        yield runner._response(request, produced)
+            async with contextlib.aclosing(runner.responses(request)) as responses:
+                async for response in responses:
+                    yield response
         except BaseException as exc:
             error = exc
             raise

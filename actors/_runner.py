@@ -19,15 +19,18 @@ light load. A cached model's misses take the same paths.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import ClassVar
 
 import attrs
 import trio
 
 from ..backends import Backend, Capabilities, ServerCalls, backend_for, split_outputs
 from ..protocols import (
+    CustomMetricFamily,
     InferRequest,
     InferResponse,
     Model,
@@ -36,6 +39,7 @@ from ..protocols import (
     Observer,
     ParameterValue,
     ServerClosedError,
+    StepStatistics,
     TensorChecker,
     Tensors,
     model_facing,
@@ -56,6 +60,8 @@ from ._streams import Streams
 @attrs.define(eq=False)
 class ModelRunner:
     """One loaded version of a model: its backend, instances and their shared queue."""
+
+    is_ensemble: ClassVar[bool] = False
 
     model: Model
     observer: Observer | None
@@ -214,7 +220,7 @@ class ModelRunner:
         with scope:
             await sequences.sweep()
 
-    def close(self) -> None:
+    def begin_close(self) -> None:
         """Stop accepting work; instances finish what is queued, then end. Streams still
         open end with `ServerClosedError` (one lasts while its caller reads: maybe never)."""
         self.executor.closing = True
@@ -223,6 +229,31 @@ class ModelRunner:
             self.sequence_batcher.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+
+    async def close(self) -> None:
+        """`begin_close`; nothing to wait for here (its instances end as its queue drains,
+        in `serve`)."""
+        self.begin_close()
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def drained(self) -> bool:
+        """A model's runner never keeps other models in use while it closes (only an
+        ensemble's runs do)."""
+        return True
+
+    def step_statistics(self) -> tuple[StepStatistics, ...]:
+        """A model has no steps."""
+        return ()
+
+    def custom_metrics(self) -> list[CustomMetricFamily]:
+        """The metric families the model's code made."""
+        return self.backend.custom_metrics()
+
+    async def passes_own_check(self) -> bool:
+        """The model's code's own readiness check (`Backend.ready`: a python-backend
+        model's ``is_ready()``)."""
+        return await self.backend.ready()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -406,6 +437,12 @@ class ModelRunner:
             ServerClosedError: the model is being unloaded (also mid-stream).
         """
         return self.streams.stream(request)
+
+    async def responses(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """Each response of a decoupled model's stream for ``request`` (see `stream`)."""
+        async with contextlib.aclosing(self.streams.stream(request)) as outputs:
+            async for produced in outputs:
+                yield self._response(request, produced)
 
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         parameters = self.response_parameters(request, parameters_of(outputs))

@@ -23,6 +23,7 @@ from ._function_contract import contract_problems as contract_problems
 from ._kinds import KINDS as KINDS
 from ._kinds import BackendKind as BackendKind
 from ._kinds import backend_for as backend_for
+from ._kinds import check_model as check_model
 from ._kinds import kind_of as kind_of
 from ._kinds import model_problems as model_problems
 from ._onnx import complete_onnx_config as complete_onnx_config

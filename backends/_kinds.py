@@ -1,6 +1,12 @@
 """The one table of model code kinds: which `ModelCode` each backend runs, the backend's class,
-and its load-time checks. A new backend is its module and one row here; `model_problems` is
-every check a model's code gets, whatever its kind (the runtime adds none of its own)."""
+and its load-time checks. A new backend is its module and one row here.
+
+`check_model` is every check a `Model` gets before it is served, at load time, so that
+mistakes surface as a `ConfigError` naming the file, not as a confusing failure on the first
+request: what holds for every model (a positive version, labels of outputs, an ensemble
+without code, orchestrion's own ``execution`` and ``fusion`` parameters) and
+`model_problems`, what its code cannot do (its kind against what its config names, the
+``model.py`` contract of a Python function, ONNX's rules, the kind's own checks)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ from ..protocols import (
     ONNX_BACKEND,
     ONNX_PLATFORM,
     OWN_BACKENDS,
+    ExecutionMode,
     Function,
+    FusionMode,
     Model,
     OnnxGraph,
     SequenceTensors,
@@ -146,4 +154,41 @@ def _initial_state_problems(model: Model, in_config: str) -> list[str]:
         problem = initial_state_problem(state, data, in_config)
         if problem is not None:
             problems.append(problem)
+    return problems
+
+
+def _mode_problems(model: Model, in_config: str) -> list[str]:
+    mode = model.config.parameters.get("execution", ExecutionMode.AUTO)
+    if mode in tuple(ExecutionMode):
+        return []
+    return [
+        f"{in_config}: parameter 'execution' must be one of "
+        f"{', '.join(m.value for m in ExecutionMode)}, got '{mode}'"
+    ]
+
+
+def check_model(model: Model) -> list[str]:
+    """The ways ``model`` cannot be served (empty when it can): what holds for every model
+    here, its code's problems from its backend (`model_problems`)."""
+    where = f"{model.source} (model '{model.name}')"
+    in_config = f"{model.config_source} (model '{model.name}')"
+    config = model.config
+    if model.version < 1:
+        return [f"{where}: version must be a positive integer, got {model.version}"]
+    unlabelled = sorted(set(model.labels) - {t.name for t in config.output})
+    if unlabelled:
+        return [f"{where}: labels are given for {unlabelled}, which are not outputs"]
+    if config.is_ensemble:
+        if model.code is not None:
+            return [f"{where}: an ensemble has no code (execute, initialize, a class or a graph)"]
+        fusion = config.parameters.get("fusion", FusionMode.ON)
+        if fusion not in tuple(FusionMode):
+            return [
+                f"{in_config}: parameter 'fusion' must be one of "
+                f"{', '.join(m.value for m in FusionMode)}, got '{fusion}'"
+            ]
+        return []
+    problems = model_problems(model, where, in_config)
+    if model.code is not None and kind_of(model).chooses_execution:
+        problems += _mode_problems(model, in_config)
     return problems

@@ -123,6 +123,10 @@ from ._model_load import load_override_from_grpc as load_override_from_grpc
 from ._model_load import load_override_from_http as load_override_from_http
 from ._model_load import parse_config_override as parse_config_override
 from ._model_load import upload_problems as upload_problems
+from ._model_parameters import ExecutionMode as ExecutionMode
+from ._model_parameters import FusionMode as FusionMode
+from ._model_parameters import execution_mode as execution_mode
+from ._model_parameters import fusion_mode as fusion_mode
 from ._observer import Observer as Observer
 from ._request_options import ParameterValue as ParameterValue
 from ._request_options import RequestOptions as RequestOptions

@@ -158,6 +158,23 @@ def test_the_runners_parts_receive_the_executor() -> None:
     assert reaching == []
 
 
+def test_nothing_switches_on_which_runner_it_has() -> None:
+    """The registry, the router and the front ends ask a `Runner` what differs between a
+    model and an ensemble; one place takes a model's runner apart: an ensemble's fused call
+    needs its steps' executors (``fusable``)."""
+    runners = {"ModelRunner", "EnsembleRunner"}
+    switching = []
+    for path in _every_module():
+        if path.parts[-2] == "testing":
+            continue  # `Inside` hands tests the kind they ask for
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if named & runners:
+                    switching.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert [s.split(":")[0] for s in switching] == ["actors/_ensemble_fusion.py"], switching
+
+
 def test_tests_look_inside_a_server_through_one_object() -> None:
     """Tests, benchmarks and ``orchestrion.testing`` reach a running server's runtime
     through `orchestrion.testing.inside` alone, not through the server's private

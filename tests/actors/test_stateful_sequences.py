@@ -164,7 +164,7 @@ async def test_a_stateful_model_inside_an_ensemble() -> None:
 
 def test_contract_errors() -> None:
     """A stateful execute must take `state`; initial_state without sequence_batching is wrong."""
-    from orchestrion.actors import check_model
+    from orchestrion.backends import check_model
 
     no_state = stateful(execute=lambda X: ({"Y": X}, None))
     assert any("receives its sequence's state" in e for e in check_model(no_state))

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 import orchestrion
-from orchestrion.actors import check_model
+from orchestrion.backends import check_model
 from orchestrion.protocols import (
     InferenceError,
     InvalidRequestError,
