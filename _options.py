@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 
-from .actors import TRITON_BACKEND_DIRECTORY, ConfigReading
 from .protocols import Observer
+from .repository import TRITON_BACKEND_DIRECTORY, ConfigReading
 
 if TYPE_CHECKING:
     from opentelemetry import trace

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from prometheus_client.registry import CollectorRegistry
 
 from ._options import ServerOptionFields, ServerOptions, chosen
-from .actors import ConfigReading, Model, ModelControlCalls, ModelRegistry, watch_event_loop
+from .actors import Model, ModelControlCalls, ModelRegistry, watch_event_loop
 from .backends import response_on_host
 from .caches import CacheActor, open_cache, open_cache_actor
 from .protocols import (
@@ -45,6 +45,7 @@ from .protocols import (
     parse_cache_config,
     ungrouped,
 )
+from .repository import ConfigReading
 from .telemetry import (
     RequestTracing,
     extract_traceparent,

@@ -41,13 +41,12 @@ from ..protocols import (
     leaf_errors,
     validate_repository,
 )
+from ..repository import AUTO_COMPLETE, ConfigReading, read_repository
 from ..telemetry import RequestTracing
 from ._ensemble import EnsembleRunner
 from ._executor import Executor
 from ._load_lock import LoadLock
 from ._loaded_models import LoadedModels, Runner
-from ._repository import AUTO_COMPLETE, ConfigReading
-from ._repository_reader import read_repository
 from ._request_router import ModelControlCalls, RequestRouter, caches
 from ._runner import ModelRunner
 from ._stats import StatsRecorder

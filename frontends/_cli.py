@@ -23,7 +23,6 @@ from pathlib import Path
 import trio
 from rich.console import Console
 
-from ..actors import CONFIG_FILE, load_model_code, scan_repository
 from ..protocols import (
     CacheUnavailableError,
     ConfigError,
@@ -31,6 +30,7 @@ from ..protocols import (
     ungrouped,
     validate_repository,
 )
+from ..repository import CONFIG_FILE, load_model_code, scan_repository
 from ._cli_flags import add_serve_flags, serve_settings
 from ._cli_run import add_run_flags, run_command
 from ._cli_triton_flags import HelpFormatter

@@ -28,8 +28,8 @@ from typing import Any
 import attrs
 from rich.console import Console
 
-from ..actors import TRITON_BACKEND_DIRECTORY, ConfigReading
 from ..protocols import ConfigError
+from ..repository import TRITON_BACKEND_DIRECTORY, ConfigReading
 from ._logging import LogFormat, LogSettings
 from ._serve import ServeOptions
 

@@ -4,8 +4,8 @@ graceful stop (`Shutdown`).
 ``none``: the whole repository is loaded at start and the load/unload API is refused.
 ``explicit``: only ``--load-model`` names (``*`` for all) are loaded at start; the API loads and
 unloads, a load possibly with Triton's ``config`` override and ``file:`` parameters (read by
-`orchestrion.frontends._load_plans`; the files go into folders of the server's own,
-`orchestrion.frontends._uploads`, removed with their model). ``poll``: the whole repository
+`orchestrion.repository.plan_load`; the files go into folders of the server's own,
+`orchestrion.repository.UploadFolders`, removed with their model). ``poll``: the whole repository
 at start, then every ``poll_interval`` seconds a changed model folder is reloaded, a new one
 loaded and a removed one unloaded; the API is refused. Readiness (``/v2/health/ready``) is
 false while the server stops, and, with strict readiness, while a model that should be loaded
@@ -34,14 +34,7 @@ import attrs
 import trio
 
 from .._server import AsyncServer
-from ..actors import (
-    AUTO_COMPLETE,
-    ConfigReading,
-    LoadLock,
-    find_model_folder,
-    is_model_folder,
-    load_code,
-)
+from ..actors import LoadLock
 from ..protocols import (
     ConfigError,
     InvalidRequestError,
@@ -51,8 +44,18 @@ from ..protocols import (
     ModelLoadError,
     OrchestrionError,
 )
-from ._load_plans import LoadPlan, folder_fingerprint, plan_load, relative_paths
-from ._uploads import UploadFolders
+from ..repository import (
+    AUTO_COMPLETE,
+    ConfigReading,
+    LoadPlan,
+    UploadFolders,
+    find_model_folder,
+    folder_fingerprint,
+    is_model_folder,
+    load_code,
+    plan_load,
+    relative_paths,
+)
 
 _log = logging.getLogger("orchestrion")
 

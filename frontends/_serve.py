@@ -30,8 +30,8 @@ import attrs
 import trio
 
 from .._server import AsyncServer, open_server
-from ..actors import AUTO_COMPLETE, ConfigReading
 from ..protocols import DEFAULT_MAX_UPLOAD_SIZE, ConfigError, UploadLimits, ungrouped
+from ..repository import AUTO_COMPLETE, ConfigReading, UploadFolders, open_upload_folders
 from ._control import (
     DEFAULT_EXIT_TIMEOUT,
     ModelControl,
@@ -56,7 +56,6 @@ from ._native import native_available, serve_native
 from ._native_cache import DEFAULT_TIER_SIZE
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
-from ._uploads import UploadFolders, open_upload_folders
 
 _log = logging.getLogger("orchestrion")
 ORPHAN_CHECK = 1.0

@@ -20,9 +20,10 @@ ALLOWED = {
     "backends": {"protocols"},
     "caches": {"protocols"},
     "telemetry": {"protocols"},
-    "actors": {"backends", "caches", "protocols", "telemetry"},
-    "_options": {"actors", "protocols"},
-    "_server": {"_options", "actors", "backends", "caches", "protocols", "telemetry"},
+    "repository": {"backends", "protocols"},
+    "actors": {"backends", "caches", "protocols", "repository", "telemetry"},
+    "_options": {"actors", "protocols", "repository"},
+    "_server": {"_options", "actors", "backends", "caches", "protocols", "repository", "telemetry"},
     "_blocking": {"_options", "_server", "actors", "protocols"},
     "_aio": {"_options", "_server", "actors", "backends", "protocols"},
     "aio": {"_aio"},
@@ -32,12 +33,21 @@ ALLOWED = {
         "actors",
         "backends",
         "protocols",
+        "repository",
         "telemetry",
         "__init__",
     },
     "__main__": {"frontends"},
 }
-PACKAGE_FOLDERS = ("actors", "backends", "caches", "frontends", "protocols", "telemetry")
+PACKAGE_FOLDERS = (
+    "actors",
+    "backends",
+    "caches",
+    "frontends",
+    "protocols",
+    "repository",
+    "telemetry",
+)
 MAX_COMPLEXITY = 12
 """McCabe's bound per function (``[tool.ruff.lint.mccabe]`` in pyproject.toml says the same)."""
 MAX_FUNCTION_LINES = 80

@@ -17,9 +17,8 @@ import tritonclient.grpc as grpcclient
 
 import orchestrion
 from orchestrion import ConfigError, Model, ModelConfig, ModelLoadError
-from orchestrion.actors import ConfigReading, scan_repository
-from orchestrion.actors._model_files import revision
 from orchestrion.backends import check_model
+from orchestrion.repository import ConfigReading, revision, scan_repository
 from support.served import start_server
 
 BACKEND = """

@@ -25,8 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from orchestrion.frontends._control import ModelControlMode
 from orchestrion.frontends._serve import ServeOptions, serve
-from orchestrion.frontends._uploads import UploadFolders, _write_file
 from orchestrion.protocols import LoadRequestError
+from orchestrion.repository._uploads import UploadFolders, _write_file
 from orchestrion.testing import Served, post
 from support.served import start_server
 

@@ -26,7 +26,6 @@ import pytest
 import tritonclient.utils
 from tritonclient.grpc import model_config_pb2
 
-from orchestrion.actors import scan_repository
 from orchestrion.protocols import (
     ConfigError,
     DataType,
@@ -48,6 +47,7 @@ from orchestrion.protocols import (
     validate_model_config,
     validate_repository,
 )
+from orchestrion.repository import scan_repository
 
 FP32 = DataType.FP32
 INT32 = DataType.INT32

@@ -21,14 +21,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..actors import (
-    AUTO_COMPLETE,
-    ConfigReading,
-    RepositoryEntry,
-    find_model_folder,
-    scan_closure,
-    scan_model_folder,
-)
 from ..protocols import (
     CONFIG_SOURCE,
     ConfigError,
@@ -39,6 +31,9 @@ from ..protocols import (
     parse_config_override,
     upload_problems,
 )
+from ._entries import RepositoryEntry
+from ._folders import AUTO_COMPLETE, ConfigReading, scan_model_folder
+from ._reader import find_model_folder, scan_closure
 from ._uploads import UploadFolders
 
 _log = logging.getLogger("orchestrion")

@@ -17,8 +17,8 @@ from pathlib import Path
 import trio
 
 from ..protocols import ConfigError, Model, ModelLoadError
-from ._model_files import RepositoryEntry
-from ._repository import (
+from ._entries import RepositoryEntry
+from ._folders import (
     AUTO_COMPLETE,
     ConfigReading,
     load_model_code,

@@ -41,7 +41,7 @@ from ..protocols import (
     VersionPolicy,
     parse_model_config,
 )
-from ._model_files import (
+from ._entries import (
     CONFIG_FILE,
     DEFAULT_MODEL_FILE,
     DEFAULT_ONNX_FILE,
