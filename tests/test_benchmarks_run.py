@@ -29,6 +29,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["µs"],
         ),
         (["step_costs.py", "--requests", "40"], ["µs"]),
+        (["python_calls.py", "--requests", "5", "--warmup", "2"], ["Python calls per request"]),
         # Starts its own redis-server, prints its three tables, stops it.
         (["cache.py", "--quick"], ["µs", "GB/s", "lookups/s"]),
         # Starts its own OTLP receiver; telemetry off, metrics, tracing at 100% and 1%.
@@ -73,6 +74,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     ids=[
         "pipeline",
         "step_costs",
+        "python_calls",
         "cache",
         "telemetry",
         "batching",
