@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import attrs
 
@@ -302,7 +303,6 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         config_source = f"{entry.path} (no {CONFIG_FILE})"
     fingerprint = revision(entry, version)
     labels = read_labels(entry)
-    initial_states = read_initial_states(entry)
     if config.is_ensemble:
         return Model(
             config=config,
@@ -312,8 +312,17 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             labels=labels,
         )
     path = entry.model_file(version)
+    found = _Found(  # what every model of the folder has, whatever its code
+        version=version,
+        source=str(path),
+        config_source=config_source,
+        revision=fingerprint,
+        labels=labels,
+        initial_states=read_initial_states(entry),
+    )
     if config.is_onnx:
-        return _onnx_model(entry, version, config_source, fingerprint, labels, initial_states)
+        completed = complete_onnx_config(config, path, config_source, complete=entry.auto_complete)
+        return _checked(Model(config=completed, code=OnnxGraph(path), **found))
     directory = entry.path / str(version)
     if config.backend == "python" or entry.backend_file is not None:  # before its code runs
         problem = stub_name_problem(config.name, config_source)
@@ -324,19 +333,8 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
     if isinstance(triton_model, type):
         if entry.auto_complete:
             config = auto_complete(triton_model, config, config_source, directory, version)
-        return _checked(
-            Model(
-                config=config,
-                code=TritonClass(triton_model),
-                version=version,
-                source=str(path),
-                config_source=config_source,
-                revision=fingerprint,
-                labels=labels,
-                initial_states=initial_states,
-                directory=directory,
-            )
-        )
+        code = TritonClass(triton_model)
+        return _checked(Model(config=config, code=code, directory=directory, **found))
     if entry.backend_file is not None:
         raise ConfigError(
             f"{path}: defines no TritonPythonModel class (the model.py of python-based "
@@ -354,45 +352,21 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             initialize=getattr(module, "initialize", None),
             initial_state=getattr(module, "initial_state", None),
             jit=bool(getattr(module, "JIT", True)),
-            version=version,
-            source=str(path),
-            config_source=config_source,
-            revision=fingerprint,
-            labels=labels,
             directory=directory,
+            **found,
         )
     )
 
 
-def _onnx_model(
-    entry: RepositoryEntry,
-    version: int,
-    config_source: str,
-    fingerprint: str,
-    labels: dict[str, tuple[str, ...]],
-    initial_states: dict[str, bytes],
-) -> Model:
-    """An ONNX model of the repository, its config completed from its graph.
+class _Found(TypedDict):
+    """A version folder's `Model` fields besides its config and code."""
 
-    Raises:
-        ModelLoadError: the graph cannot be read.
-        ConfigError: the config disagrees with the graph, or breaks a rule.
-    """
-    path = entry.model_file(version)
-    return _checked(
-        Model(
-            config=complete_onnx_config(
-                entry.config, path, config_source, complete=entry.auto_complete
-            ),
-            code=OnnxGraph(path),
-            version=version,
-            source=str(path),
-            config_source=config_source,
-            revision=fingerprint,
-            labels=labels,
-            initial_states=initial_states,
-        )
-    )
+    version: int
+    source: str
+    config_source: str
+    revision: str
+    labels: dict[str, tuple[str, ...]]
+    initial_states: dict[str, bytes]
 
 
 def _checked(model: Model) -> Model:
