@@ -204,6 +204,33 @@ def test_tests_look_inside_a_server_through_one_object() -> None:
     assert reaching == []
 
 
+def test_the_architecture_page_names_what_exists() -> None:
+    """Every file docs/architecture.md names exists (a Rust file: in ``native/src``), and
+    every ``Class.method`` it names is defined: a move or a rename that forgets the page
+    fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for path in sorted(set(re.findall(r"`([A-Za-z0-9_./-]+\.(?:py|rs))`", text))):
+        rust = path.endswith(".rs") and "/" not in path
+        where = ROOT / "native" / "src" / path if rust else ROOT / path
+        if path != "model.py" and not where.exists():
+            missing.append(path)
+    methods: dict[str, set[str]] = {}
+    for module in _every_module():
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ClassDef):
+                own = methods.setdefault(node.name, set())
+                own.update(
+                    n.name
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                )
+    for owner, name in sorted(set(re.findall(r"`([A-Z][A-Za-z]+)\.([a-z_]+)`", text))):
+        if name not in methods.get(owner, set()):
+            missing.append(f"{owner}.{name}")
+    assert missing == []
+
+
 def _every_module(root: Path = ROOT) -> list[Path]:
     """Every module of the package, ``testing/`` and the top level included."""
     return sorted(
