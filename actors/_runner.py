@@ -172,10 +172,6 @@ class ModelRunner:
         """A snapshot of this version's statistics."""
         return self.stats.snapshot()
 
-    def idle(self) -> bool:
-        """Nothing queued, and some instance can run inline now."""
-        return self.executor.idle()
-
     # -- lifetime --------------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -428,18 +424,14 @@ class ModelRunner:
         if work.error is not None:
             raise work.error
 
-    def stream(self, request: InferRequest) -> AsyncGenerator[Tensors, None]:
-        """The outputs of each response a decoupled model yields for ``request``, as they
-        come (see ``_streams.py``).
+    async def responses(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """Each response a decoupled model yields for ``request``, as they come (see
+        ``_streams.py``).
 
         Raises:
             InferenceError: ``execute`` raised (after the responses it yielded before).
             ServerClosedError: the model is being unloaded (also mid-stream).
         """
-        return self.streams.stream(request)
-
-    async def responses(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
-        """Each response of a decoupled model's stream for ``request`` (see `stream`)."""
         async with contextlib.aclosing(self.streams.stream(request)) as outputs:
             async for produced in outputs:
                 yield self._response(request, produced)

@@ -47,9 +47,7 @@ def _request_id(value: str | None) -> str:
 
 
 def _parameters(value: Mapping[str, ParameterValue] | None) -> Mapping[str, ParameterValue]:
-    if type(value) is MappingProxyType:  # made by this converter: checked already
-        return value
-    params = dict(value or {})
+    params = dict(value or {})  # a copy: a proxy the caller made may wrap a dict it changes
     for key, item in params.items():
         if not isinstance(key, str) or not isinstance(item, str | int | float | bool):
             raise _bad(f"parameters[{key!r}]", "a str, int, float or bool", item)

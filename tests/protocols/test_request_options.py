@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -98,6 +99,12 @@ def test_arguments_are_checked_in_their_order() -> None:
         request.parameters["a"] = 3  # type: ignore[index]
     derived = request.derive(model_name="s", model_version=1, inputs={}, requested_outputs=None)
     assert derived.options is options
+    held = {"a": 1}
+    proxied = RequestOptions(parameters=MappingProxyType(held))
+    held["a"] = 2  # a read-only view the caller made is copied too
+    assert proxied.parameters == {"a": 1}
+    with pytest.raises(InvalidRequestError, match=r"parameters\['b'\] must be a str"):
+        RequestOptions(parameters=MappingProxyType({"b": [1]}))  # and checked
     assert request.timeout == 2.0
     assert isinstance(request.timeout, float)
 
