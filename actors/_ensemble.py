@@ -25,9 +25,11 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
+import numpy as np
 import trio
 
 from ..protocols import (
+    ConfigError,
     CustomMetricFamily,
     EnsembleGraph,
     InferRequest,
@@ -72,6 +74,8 @@ class EnsembleRunner:
     take its composing models' (`ModelRegistry.revision`)."""
     labels: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
     """Class labels per output (`Model.labels`)."""
+    files: Mapping[str, np.ndarray] = attrs.field(factory=dict)
+    """The values of constants and defaults declared with a ``file`` (`Model.constants`)."""
     graph: EnsembleGraph = attrs.field(init=False)
     checker: TensorChecker = attrs.field(init=False)
     output_names: frozenset[str] = attrs.field(init=False)
@@ -84,15 +88,39 @@ class EnsembleRunner:
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _closing: bool = False
     _reshaped_inputs: tuple[TensorConfig, ...] = attrs.field(init=False)
+    _constants: dict[str, np.ndarray] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        """Raises `ConfigError` where a constant or default declared with a file was not
+        given its value (an ensemble made in Python has no folder to read it from)."""
         self.graph = EnsembleGraph.from_config(self.config)
+        control = self.graph.control
+        unread = [
+            f"'{kind}.{name}'"
+            for kind, declared in (("constant", control.constants), ("default", control.defaults))
+            for name, d in declared.items()
+            if d.value is None and name not in self.files
+        ]
+        if unread:
+            raise ConfigError(
+                f"ensemble '{self.config.name}': parameters {', '.join(unread)} name a file, "
+                "and no value was read from it (give 'value' to an ensemble made in Python, "
+                "or pass Model(constants=...))"
+            )
+        self._constants = {
+            name: self.files[name] if d.value is None else d.value
+            for name, d in control.constants.items()
+        }
         self.checker = TensorChecker(self.config)
         self.output_names = frozenset(self.graph.outputs)
         self._reshaped_inputs = tuple(t for t in self.config.input if t.reshape is not None)
         self.stats = StatsRecorder(self.config.name, self.version)
         self._plans = Plans(self.config.name, self.graph)
         self._scheduler = Scheduler(self.config, self.graph, self.router, self.observer)
+        if self._scheduler.flow is not None:
+            self._scheduler.flow.with_defaults(
+                {n: self.files[n] for n, d in control.defaults.items() if d.value is None}
+            )
         self._idle.set()
         everything = self._plans.plan(frozenset(self.graph.outputs))
         order = tuple(self.graph.steps[i] for i in self._plans.order(everything))
@@ -256,7 +284,7 @@ class EnsembleRunner:
         plan = self._plans.plan(requested)
         # Missing counts cover the tensors steps produce; the ensemble inputs are all there
         # from the start (an omitted optional one is simply not passed on).
-        tensors = dict(request.inputs)
+        tensors = {**self._constants, **request.inputs} if self._constants else dict(request.inputs)
         mbs = self.config.max_batch_size
         for tensor in self._reshaped_inputs:  # the ensemble sees an input's reshape
             if tensor.name in tensors:

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from ..protocols import (
     EnsembleGraph,
     InferenceError,
+    InferenceTimeoutError,
     InvalidRequestError,
     ModelNotFoundError,
     ModelReportedError,
@@ -24,13 +25,27 @@ from ..protocols import (
 )
 
 
-def step_failed(ensemble: str, plan: StepPlan, error: Exception, note: str = "") -> InferenceError:
-    """``error`` of a step's model as the ensemble reports it: prefixed with the step, and
-    followed by ``note`` (see `left_out_note`). A step request its model refused as invalid
-    (or a nested ensemble's refused step) is a `StepRefusedError`."""
-    where = f"in ensemble '{ensemble}', step[{plan.index}]: "
-    wrapped: InferenceError
-    if isinstance(error, ModelReportedError):  # the model's own words, and its code
+class ItemFailed(Exception):
+    """The request of one item of a mapped step failed: which item, and its error."""
+
+    def __init__(self, where: str, error: Exception) -> None:
+        super().__init__(f"{where}: {error}")
+        self.where = where
+        self.error = error
+
+
+def step_failed(
+    ensemble: str, plan: StepPlan, error: Exception, note: str = "", *, item: str = ""
+) -> InferenceError | InferenceTimeoutError:
+    """``error`` of a step's model as the ensemble reports it: prefixed with the step (and
+    ``item``, a mapped step's item), and followed by ``note`` (see `left_out_note`). A step
+    request its model refused as invalid (or a nested ensemble's refused step) is a
+    `StepRefusedError`; a step that ran out of its own time an `InferenceTimeoutError`."""
+    where = f"in ensemble '{ensemble}', step[{plan.index}]{item}: "
+    wrapped: InferenceError | InferenceTimeoutError
+    if isinstance(error, InferenceTimeoutError):
+        wrapped = InferenceTimeoutError(f"{where}{error}")
+    elif isinstance(error, ModelReportedError):  # the model's own words, and its code
         # The step's model named, unless a nested ensemble's step reported it (named there).
         own = error.model_name == plan.model_name
         text = f"model '{error.model_name}': {error}" if own else str(error)

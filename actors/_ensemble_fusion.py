@@ -135,6 +135,7 @@ class FusionGate:
         self.may_fuse = (
             self._mode is not FusionMode.OFF
             and not self.observed
+            and self.scheduler.graph.control.empty
             and all(t.reshape is None for t in self.config.input)
             and all(t.reshape is None for t in self.config.output)
         )

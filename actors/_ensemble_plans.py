@@ -43,19 +43,25 @@ class Plans:
         return self._plans.get(requested) or self._make_plan(requested)
 
     def _make_plan(self, requested: frozenset[str]) -> Plan:
-        needed = self.graph.needed_steps(requested)
+        graph = self.graph
+        needed = graph.needed_steps(requested)
         wanted = set(requested)
         for index in needed:
-            wanted.update(t for _, t in self.graph.steps[index].inputs)
-        inputs = set(self.graph.inputs)
-        missing = {
-            i: len({t for _, t in self.graph.steps[i].inputs} - inputs) for i in sorted(needed)
-        }
+            wanted.update(graph.steps[index].waits)
+        control = graph.control
+        for joined, alternatives in control.alternatives.items():
+            if joined in wanted:
+                wanted.update(alternatives)
+        for loop in control.loops:
+            if loop.steps <= needed:
+                wanted.add(loop.condition)
+                wanted.update(source for source, _ in loop.carry)
+        given = graph.given
+        missing = {i: len(set(graph.steps[i].waits) - given) for i in sorted(needed)}
         plan = Plan(
             needed=needed,
             step_outputs={
-                i: frozenset(o for o, t in self.graph.steps[i].outputs if t in wanted)
-                for i in needed
+                i: frozenset(o for o, t in graph.steps[i].outputs if t in wanted) for i in needed
             },
             missing=missing,
             first=tuple(i for i, n in missing.items() if n == 0),
@@ -65,7 +71,7 @@ class Plans:
 
     def order(self, plan: Plan) -> list[int]:
         """The needed steps in an order where each comes after the steps it needs."""
-        available = set(self.graph.inputs)
+        available = set(self.graph.given)
         left = sorted(plan.needed)
         order: list[int] = []
         while left:
@@ -74,7 +80,7 @@ class Plans:
                 for i in left
                 if all(
                     t in available or t not in self.graph.producer
-                    for _, t in self.graph.steps[i].inputs
+                    for t in self.graph.steps[i].waits
                 )
             ]
             if not ready:  # cannot happen in a validated graph

@@ -41,15 +41,18 @@ import trio
 
 from ..protocols import (
     EnsembleGraph,
+    InferenceTimeoutError,
     InferRequest,
     InferResponse,
     ModelConfig,
     Observer,
     ServerClosedError,
+    StepControl,
     StepPlan,
     StepStatistics,
 )
-from ._ensemble_errors import left_out_note, step_failed
+from ._ensemble_errors import ItemFailed, left_out_note, step_failed
+from ._ensemble_flow import Flow, FlowState, map_step, with_step_parameters
 from ._ensemble_plans import Plan
 from ._executor import Executor
 
@@ -74,6 +77,8 @@ class Router(Protocol):
 
     def fusable(self, runner: object, max_batch_size: int) -> Executor | None: ...
 
+    def model_config(self, name: str, version: int = -1) -> ModelConfig: ...
+
     @property
     def generation(self) -> int: ...
 
@@ -97,6 +102,8 @@ class Run:
     """Sends waiting for room downstream: given up as soon as the run is dead."""
     left_out: set[str] | None = None
     """Tensors a step's model left out of its answer (None: none so far)."""
+    flow: FlowState | None = None
+    """Where the run is in the ensemble's control flow (None: the ensemble declares none)."""
 
     @property
     def dead(self) -> bool:
@@ -158,6 +165,12 @@ class Scheduler:
     steps: list[Step] = attrs.field(init=False)
     limited: bool = attrs.field(init=False, default=False)
     """The ensemble has a max_inflight_requests."""
+    flow: Flow | None = attrs.field(init=False, default=None)
+    """The ensemble's conditions, joins and loops (None: it declares none)."""
+    controls: list[StepControl | None] = attrs.field(init=False, factory=list)
+    """What each step's parameters declare (maps, timeouts, parameters)."""
+    in_task: list[bool] = attrs.field(init=False, factory=list)
+    """Steps that always run in a task of their own (a map, a timeout)."""
 
     def __attrs_post_init__(self) -> None:
         assert self.config.ensemble_scheduling is not None
@@ -176,6 +189,11 @@ class Scheduler:
                 )
             )
         self.limited = bool(limit)
+        control = self.graph.control
+        self.controls = [control.step(plan.index) for plan in self.graph.steps]
+        self.in_task = [c is not None and c.needs_task for c in self.controls]
+        if control.flows:
+            self.flow = Flow(self.graph)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -221,7 +239,7 @@ class Scheduler:
                             run.step_done()
                             continue
                         request = self._step_request(step, run)
-                        if not self.router.ready_now(request):
+                        if self.in_task[step.plan.index] or not self.router.ready_now(request):
                             nursery.start_soon(self._run_step, step, run, request)
                             continue
                         # The model can run right now, synchronously: no task needed.
@@ -270,6 +288,8 @@ class Scheduler:
         """
         run = Run(request=request, plan=plan, tensors=tensors)
         run.missing = dict(plan.missing)
+        if self.flow is not None:
+            run.flow = FlowState()
         try:
             # Hold one count ourselves so the run cannot finish while we are still seeding.
             run.outstanding += 1
@@ -304,7 +324,10 @@ class Scheduler:
                 continue
             step = self.steps[index]
             plan = step.plan
-            if step.queued == 0 and self._take_slot(step):
+            if run.flow is not None and self.flow is not None and self.flow.skips(run, index):
+                self.flow.skip(run, index, ready)
+                continue
+            if step.queued == 0 and not self.in_task[index] and self._take_slot(step):
                 request = self._step_request(step, run)
                 if self.router.ready_now(request):
                     run.outstanding += 1
@@ -405,8 +428,9 @@ class Scheduler:
         """
         if response is None or run.dead:
             return []
-        ready = []
+        ready: list[int] = []
         wanted = run.plan.step_outputs[plan.index]
+        flow = self.flow
         for output, tensor in plan.outputs:
             value = response.outputs.get(output)
             if value is not None:
@@ -417,11 +441,16 @@ class Scheduler:
                 run.left_out.add(tensor)
             else:
                 continue
+            if flow is not None:
+                flow.arrived(run, tensor, ready)
+                continue
             for consumer in self.graph.consumers.get(tensor, ()):
                 if consumer in run.missing:
                     run.missing[consumer] -= 1
                     if run.missing[consumer] == 0:
                         ready.append(consumer)
+        if flow is not None:
+            flow.step_done(run, plan.index, ready)
         return ready
 
     # -- calling the composing model -------------------------------------------------------
@@ -429,7 +458,7 @@ class Scheduler:
     def _step_request(self, step: Step, run: Run) -> InferRequest:
         plan = step.plan
         tensors = run.tensors
-        return run.request.derive(
+        request = run.request.derive(
             model_name=plan.model_name,
             model_version=plan.model_version,
             # An omitted optional ensemble input, or a tensor a step left out, is simply
@@ -437,6 +466,10 @@ class Scheduler:
             inputs={inp: tensors[t] for inp, t in plan.inputs if t in tensors},
             requested_outputs=run.plan.step_outputs[plan.index],
         )
+        control = self.controls[plan.index]
+        if control is not None and control.parameters:
+            return with_step_parameters(request, control)
+        return request
 
     def _begin_step(self, step: Step, request: InferRequest) -> None:
         plan = step.plan
@@ -455,7 +488,10 @@ class Scheduler:
             )
         if isinstance(error, Exception):
             note = left_out_note(self.graph, plan, run.left_out)
-            run.fail(step_failed(self.config.name, plan, error, note))
+            item = ""
+            if isinstance(error, ItemFailed):
+                item, error = error.where, error.error
+            run.fail(step_failed(self.config.name, plan, error, note, item=item))
 
     async def _call_model(
         self, step: Step, run: Run, request: InferRequest
@@ -463,7 +499,11 @@ class Scheduler:
         """Send the step's request to its model; on failure record the run's error."""
         self._begin_step(step, request)
         try:
-            response = await self.router.infer(request, from_ensemble=True)
+            control = self.controls[step.plan.index]
+            if control is None:
+                response = await self.router.infer(request, from_ensemble=True)
+            else:
+                response = await self._controlled(step, control, request)
         except BaseException as exc:
             self._end_step(step, run, request, exc)
             if isinstance(exc, Exception):
@@ -484,3 +524,25 @@ class Scheduler:
             raise
         self._end_step(step, run, request, None)
         return response
+
+    async def _controlled(
+        self, step: Step, control: StepControl, request: InferRequest
+    ) -> InferResponse:
+        """A step with a timeout of its own, or mapped over items (`map_step`)."""
+        plan = step.plan
+        limit = control.timeout
+        if limit is None:
+            return await self._once_or_mapped(plan, control, request)
+        with trio.move_on_after(limit):
+            return await self._once_or_mapped(plan, control, request)
+        raise InferenceTimeoutError(
+            f"model '{plan.model_name}' did not answer within the step's timeout of "
+            f"{limit * 1000:g} ms (parameter 'step[{plan.index}].timeout_ms')"
+        )
+
+    async def _once_or_mapped(
+        self, plan: StepPlan, control: StepControl, request: InferRequest
+    ) -> InferResponse:
+        if control.mapped:
+            return await map_step(self.router, plan, control, request)
+        return await self.router.infer(request, from_ensemble=True)

@@ -31,6 +31,7 @@ from ..protocols import (
     StepPlan,
 )
 from ._ensemble_errors import left_out_note, step_failed
+from ._ensemble_flow import with_step_parameters
 from ._ensemble_plans import Plan
 from ._ensemble_scheduler import Scheduler, Step
 
@@ -67,6 +68,9 @@ class EnsembleStreams:
                 inputs={i: tensors[t] for i, t in plan_step.inputs if t in tensors},
                 requested_outputs=wanted,
             )
+            control = self.scheduler.controls[index]
+            if control is not None and control.parameters:
+                step_request = with_step_parameters(step_request, control)
             if router.decoupled(plan_step.model_name):
                 produced = self._stream_step(step, step_request, left_out)
                 async with contextlib.aclosing(produced) as responses:

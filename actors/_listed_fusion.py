@@ -38,6 +38,7 @@ import trio
 from ..protocols import (
     EnsembleGraph,
     InferenceError,
+    InferenceTimeoutError,
     InferRequest,
     InvalidRequestError,
     ModelNotFoundError,
@@ -64,7 +65,7 @@ class _Waiting:
     done: trio.Event = attrs.Factory(trio.Event)
     ran: bool = False
     """Its batch ran (the outputs or the error below); False: the scheduler's path."""
-    error: InferenceError | None = None
+    error: InferenceError | InferenceTimeoutError | None = None
     left_out: set[str] | None = None
     """Tensors a step was asked for and left out of its answer (for the error's note)."""
     abandoned: bool = False

@@ -337,6 +337,7 @@ class ModelRegistry:
                     self.observer,
                     revision=model.revision,
                     labels=model.labels,
+                    files=model.constants,
                 )
                 await start(ensemble, ensemble.serve)
         except BaseException:  # cancelled while starting: stop what was started

@@ -119,6 +119,10 @@ class RequestRouter:
         """The runner of ``name`` at ``version`` (`LoadedModels.resolve`)."""
         return self.models.resolve(name, version)
 
+    def model_config(self, name: str, version: int = -1) -> ModelConfig:
+        """The config of ``name`` at ``version`` as loaded (a mapped step's items need it)."""
+        return self.models.resolve(name, version).config
+
     def decoupled(self, model_name: str) -> bool:
         """Whether ``model_name`` streams: a decoupled model, or an ensemble with one."""
         return self.models.decoupled(model_name)

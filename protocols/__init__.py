@@ -46,6 +46,12 @@ from ._dtypes import DataType as DataType
 from ._ensemble import EnsembleGraph as EnsembleGraph
 from ._ensemble import StepPlan as StepPlan
 from ._ensemble import is_decoupled as is_decoupled
+from ._ensemble_control import DeclaredTensor as DeclaredTensor
+from ._ensemble_control import EnsembleControl as EnsembleControl
+from ._ensemble_control import Loop as Loop
+from ._ensemble_control import StepControl as StepControl
+from ._ensemble_control import holds as holds
+from ._ensemble_control import read_control as read_control
 from ._ensemble_validation import validate_ensemble as validate_ensemble
 from ._errors import ERROR_CODES as ERROR_CODES
 from ._errors import CacheUnavailableError as CacheUnavailableError

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import attrs
 
 from ._config import ModelConfig
+from ._ensemble_control import EnsembleControl, read_control
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +30,8 @@ class StepPlan:
     """(model input name, ensemble tensor name) pairs."""
     outputs: tuple[tuple[str, str], ...]
     """(model output name, ensemble tensor name) pairs."""
+    waits: tuple[str, ...] = ()
+    """The tensors the step waits for: those it takes, and its ``when`` condition."""
 
     def describe(self, ensemble: str) -> str:
         """``ensemble 'e' step[1] (model 'm')``, the prefix of messages about this step."""
@@ -47,6 +50,15 @@ class EnsembleGraph:
     """For each tensor, the indices of the steps that take it as an input."""
     producer: Mapping[str, int]
     """For each intermediate or output tensor, the index of the step that makes it."""
+    control: EnsembleControl = attrs.field(factory=EnsembleControl)
+    """What the ensemble's parameters declare (conditions, joins, loops, maps, constants)."""
+    given: frozenset[str] = frozenset()
+    """The tensors every request starts with: the ensemble's inputs and its constants."""
+    joins: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+    """For each tensor that is an alternative of an ``any.NAME`` join, the joins it feeds."""
+    deferred: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    """For each tensor a loop's step makes, the steps outside the loop that take it: they
+    see it once the loop is over (they are not in `consumers`)."""
     _needed: dict[frozenset[str], frozenset[int]] = attrs.field(
         factory=dict, init=False, eq=False, repr=False
     )
@@ -55,6 +67,13 @@ class EnsembleGraph:
     def from_config(cls, config: ModelConfig) -> EnsembleGraph:
         """The graph of an ensemble config (which should have passed `validate_ensemble`)."""
         assert config.ensemble_scheduling is not None
+        control, _ = read_control(config)  # its mistakes are reported by validate_ensemble
+
+        def waits(index: int, inputs: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+            when = getattr(control.step(index), "when", None)
+            tensors = [t for _, t in inputs] + ([when] if when else [])
+            return tuple(dict.fromkeys(tensors))
+
         steps = tuple(
             StepPlan(
                 index=i,
@@ -62,16 +81,29 @@ class EnsembleGraph:
                 model_version=-1 if s.model_version <= 0 else s.model_version,
                 inputs=tuple(sorted(s.input_map.items())),
                 outputs=tuple(sorted(s.output_map.items())),
+                waits=waits(i, tuple(sorted(s.input_map.items()))),
             )
             for i, s in enumerate(config.ensemble_scheduling.step)
         )
         consumers: dict[str, list[int]] = {}
+        deferred: dict[str, list[int]] = {}
         producer: dict[str, int] = {}
         for step in steps:
-            for _, tensor in step.inputs:
-                consumers.setdefault(tensor, []).append(step.index)
             for _, tensor in step.outputs:
                 producer[tensor] = step.index
+        loop_of = {i: loop.name for loop in control.loops for i in loop.steps}
+        for step in steps:
+            for tensor in step.waits:
+                made_by = producer.get(tensor)
+                inside = loop_of.get(made_by) if made_by is not None else None
+                if inside is not None and loop_of.get(step.index) != inside:
+                    deferred.setdefault(tensor, []).append(step.index)
+                else:
+                    consumers.setdefault(tensor, []).append(step.index)
+        joins: dict[str, list[str]] = {}
+        for joined, alternatives in control.alternatives.items():
+            for tensor in alternatives:
+                joins.setdefault(tensor, []).append(joined)
         return cls(
             name=config.name,
             steps=steps,
@@ -79,7 +111,21 @@ class EnsembleGraph:
             outputs=tuple(t.name for t in config.output),
             consumers={t: tuple(dict.fromkeys(c)) for t, c in consumers.items()},
             producer=producer,
+            control=control,
+            given=frozenset(t.name for t in config.input) | frozenset(control.constants),
+            joins={t: tuple(j) for t, j in joins.items()},
+            deferred={t: tuple(dict.fromkeys(c)) for t, c in deferred.items()},
         )
+
+    def makers(self, tensor: str) -> list[int]:
+        """The steps that make ``tensor``: its producer, or those of a join's alternatives."""
+        if tensor in self.producer:
+            return [self.producer[tensor]]
+        return [
+            self.producer[t]
+            for t in self.control.alternatives.get(tensor, ())
+            if t in self.producer
+        ]
 
     def needed_steps(self, requested: frozenset[str]) -> frozenset[int]:
         """The steps that must run to produce ``requested`` outputs (everything else is pruned)."""
@@ -87,13 +133,16 @@ class EnsembleGraph:
         if cached is not None:
             return cached
         needed: set[int] = set()
-        todo = [self.producer[t] for t in requested if t in self.producer]
+        todo = [i for t in requested for i in self.makers(t)]
         while todo:
             index = todo.pop()
             if index in needed:
                 continue
             needed.add(index)
-            todo.extend(self.producer[t] for _, t in self.steps[index].inputs if t in self.producer)
+            todo.extend(i for t in self.steps[index].waits for i in self.makers(t))
+            loop = self.control.loop_of(index)
+            if loop is not None:  # a loop runs whole: its condition's maker too
+                todo.extend(loop.steps)
         result = self._needed[requested] = frozenset(needed)
         return result
 

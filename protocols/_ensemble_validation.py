@@ -19,7 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from ._config import ModelConfig, TensorConfig
+from ._dtypes import DataType
 from ._ensemble import EnsembleGraph, StepPlan, is_decoupled
+from ._ensemble_control import EnsembleControl, Loop, read_control
 
 MAX_INFLIGHT_LIMIT = 2**32
 
@@ -43,6 +45,10 @@ def _own_shape(tensor: TensorConfig, max_batch_size: int) -> tuple[int, ...]:
 
 def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def _type_name(data_type: object) -> str:
+    return str(getattr(data_type, "name", data_type))
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:
@@ -101,16 +107,31 @@ def validate_ensemble(
     if not sched.step:
         errors.append(f"ensemble '{config.name}': ensemble_scheduling has no step")
         return errors
+    control, problems = read_control(config)
+    errors.extend(problems)
     graph = EnsembleGraph.from_config(config)
     tensors = _ensemble_input_tensors(config)
+    errors.extend(_constant_errors(config, control, tensors))
     errors.extend(_unknown_model_errors(config, graph, models))
     for step in graph.steps:  # first every producer, so that consumers can be checked
         errors.extend(_step_errors(config, step, models, versions))
-        errors.extend(_step_output_errors(config, step, models, tensors))
+        errors.extend(_step_output_errors(config, step, models, tensors, control))
+    errors.extend(_join_errors(config, control, tensors))
     for step in graph.steps:
-        errors.extend(_step_input_errors(config, step, models, tensors))
-    consumed = {tensor for step in graph.steps for _, tensor in step.inputs}
+        errors.extend(_step_input_errors(config, step, models, tensors, control))
+    errors.extend(_control_errors(config, graph, models, tensors))
+    consumed = {tensor for step in graph.steps for tensor in step.waits}
+    consumed.update(t for alternatives in control.alternatives.values() for t in alternatives)
+    for loop in control.loops:
+        consumed.add(loop.condition)
+        consumed.update(source for source, _ in loop.carry)
     errors.extend(_unused_input_errors(config, consumed))
+    errors.extend(
+        f"ensemble '{config.name}': parameters 'constant.{name}': the constant is not used "
+        "by any step"
+        for name in control.constants
+        if name not in consumed
+    )
     errors.extend(_ensemble_output_errors(config, tensors))
     errors.extend(_unused_tensor_errors(config, tensors, consumed))
     errors.extend(_reachability_errors(config, graph, tensors))
@@ -207,11 +228,15 @@ def _step_output_errors(
     step: StepPlan,
     models: Mapping[str, ModelConfig],
     tensors: dict[str, _TensorInfo],
+    control: EnsembleControl,
 ) -> list[str]:
     """A step's outputs: real outputs of its model, each tensor produced once; records in
-    ``tensors`` each tensor it is the first to produce."""
+    ``tensors`` each tensor it is the first to produce (a mapped step's with a first
+    dimension of its items)."""
     where = step.describe(config.name)
     model = models.get(step.model_name)
+    own = control.step(step.index)
+    mapped = own is not None and bool(own.mapped)
     errors = []
     for model_output, tensor in step.outputs:
         out = model.output_named(model_output) if model else None
@@ -226,12 +251,15 @@ def _step_output_errors(
                 f"(also by {tensors[tensor].source})"
             )
             continue
+        shape = _full_shape(out, model.max_batch_size) if out and model else ()
+        if mapped and out is not None and model is not None and model.max_batch_size == 0:
+            shape = (-1, *shape)
         tensors[tensor] = _TensorInfo(
             source=f"step[{step.index}] (model '{step.model_name}') output '{model_output}'",
             data_type=out.data_type if out else None,
-            shape=_full_shape(out, model.max_batch_size) if out and model else (),
+            shape=shape,
             step=step.index,
-            batching=model is not None and model.max_batch_size > 0,
+            batching=model is not None and model.max_batch_size > 0 and not mapped,
         )
     return errors
 
@@ -241,14 +269,29 @@ def _step_input_errors(
     step: StepPlan,
     models: Mapping[str, ModelConfig],
     tensors: Mapping[str, _TensorInfo],
+    control: EnsembleControl,
 ) -> list[str]:
     """A step's inputs: each tensor produced, each key a real input of the model, agreeing in
-    data type and shape with the tensor; and every required input of the model mapped."""
+    data type and shape with the tensor (a mapped tensor: each of its items); and every
+    required input of the model mapped."""
     where = step.describe(config.name)
     model = models.get(step.model_name)
+    own = control.step(step.index)
+    items = own.mapped if own is not None else frozenset()
     errors = []
     for model_input, tensor in step.inputs:
         info = tensors.get(tensor)
+        if info is not None and tensor in items:
+            if info.data_type is not None and not info.shape:
+                errors.append(
+                    f"{where}: parameters 'step[{step.index}].map': tensor '{tensor}' "
+                    f"({info.source}) has no dimension to map over"
+                )
+                info = None
+            elif info.shape and model is not None and model.max_batch_size == 0:
+                info = attrs.evolve(info, shape=info.shape[1:], batching=False)
+            elif info.shape:
+                info = attrs.evolve(info, batching=True)
         if info is None:
             errors.append(
                 f"{where}: input '{model_input}' takes tensor '{tensor}', which is neither "
@@ -350,26 +393,36 @@ def _unused_tensor_errors(
 def _reachability_errors(
     config: ModelConfig, graph: EnsembleGraph, tensors: Mapping[str, _TensorInfo]
 ) -> list[str]:
-    """Outputs must be computable from the inputs (a step whose inputs never exist never runs)."""
-    available = {t.name for t in config.input}
+    """Outputs must be computable from the inputs (a step whose inputs never exist never
+    runs); steps that wait on each other form a cycle, which only a loop may declare."""
+    available = set(graph.given)
+    alternatives = graph.control.alternatives
     ran: set[int] = set()
     progress = True
     while progress:
         progress = False
         for step in graph.steps:
-            if step.index not in ran and all(t in available for _, t in step.inputs):
+            if step.index not in ran and all(t in available for t in step.waits):
                 ran.add(step.index)
                 available.update(t for _, t in step.outputs)
+                available.update(j for j, alts in alternatives.items() if available & set(alts))
                 progress = True
-    errors = []
-    for t in config.output:
-        info = tensors.get(t.name)
-        if info is not None and info.step is not None and t.name not in available:
-            errors.append(
-                f"ensemble '{config.name}': ensemble output '{t.name}' is not reachable from "
-                "the ensemble inputs (the steps leading to it wait on each other or on "
-                "tensors nobody produces)"
-            )
+    cycle = _cycle(graph, ran)
+    why = (
+        f"steps wait on each other in a cycle: {cycle}; repeat steps with a 'loop.NAME' parameter"
+        if cycle
+        else "the steps leading to it wait on each other or on tensors nobody produces"
+    )
+    errors = [
+        f"ensemble '{config.name}': ensemble output '{t.name}' is not reachable from the "
+        f"ensemble inputs ({why})"
+        for t in config.output
+        if (info := tensors.get(t.name)) is not None
+        and info.step is not None
+        and t.name not in available
+    ]
+    if cycle and not errors:
+        errors.append(f"ensemble '{config.name}': {why}")
     return errors
 
 
@@ -412,4 +465,224 @@ def _decoupled_errors(
             f"ensemble '{config.name}': its outputs come from different decoupled producers: "
             f"{describe(outputs)}"
         )
+    return errors
+
+
+def _cycle(graph: EnsembleGraph, ran: set[int]) -> str:
+    """Steps among those that never run that wait on each other, in a cycle (``""``: none)."""
+    after = {
+        step.index: sorted({i for t in step.waits for i in graph.makers(t)} - ran)
+        for step in graph.steps
+        if step.index not in ran
+    }
+    state: dict[int, int] = {}
+    path: list[int] = []
+    for start in sorted(after):
+        if start in state:
+            continue
+        todo: list[tuple[int, int]] = [(start, 0)]
+        while todo:
+            index, position = todo.pop()
+            if position == 0:
+                state[index] = 1
+                path.append(index)
+            children = after.get(index, [])
+            if position < len(children):
+                todo.append((index, position + 1))
+                child = children[position]
+                if state.get(child) == 1:
+                    cycle = [*path[path.index(child) :], child]
+                    return " -> ".join(f"step[{i}]" for i in cycle)
+                if child not in state:
+                    todo.append((child, 0))
+            else:
+                state[index] = 2
+                path.pop()
+    return ""
+
+
+def _constant_errors(
+    config: ModelConfig, control: EnsembleControl, tensors: dict[str, _TensorInfo]
+) -> list[str]:
+    """Constants are tensors of their own: records them in ``tensors`` (every request
+    starts with them, as with the ensemble's inputs)."""
+    errors = []
+    for name, declared in control.constants.items():
+        if name in tensors:
+            errors.append(
+                f"ensemble '{config.name}': parameters 'constant.{name}': the name is taken "
+                f"by {tensors[name].source}"
+            )
+            continue
+        tensors[name] = _TensorInfo(
+            source=f"constant '{name}'",
+            data_type=declared.data_type,
+            shape=declared.dims,
+            step=None,
+        )
+    return errors
+
+
+def _join_errors(
+    config: ModelConfig, control: EnsembleControl, tensors: dict[str, _TensorInfo]
+) -> list[str]:
+    """A join's alternatives are step outputs of one data type; records the join in
+    ``tensors`` as its first alternative is."""
+    errors = []
+    for joined, alternatives in control.alternatives.items():
+        key = f"ensemble '{config.name}': parameters 'any.{joined}'"
+        if joined in tensors:
+            errors.append(f"{key}: the name is taken by {tensors[joined].source}")
+            continue
+        infos = []
+        for tensor in alternatives:
+            info = tensors.get(tensor)
+            if info is None or info.step is None:
+                errors.append(f"{key}: alternative '{tensor}' is not made by any step")
+            else:
+                infos.append((tensor, info))
+        kinds = {info.data_type for _, info in infos if info.data_type is not None}
+        if len(kinds) > 1:
+            errors.append(
+                f"{key}: the alternatives differ in data type: "
+                + ", ".join(f"'{t}' is {_type_name(info.data_type)}" for t, info in infos)
+            )
+        if infos and len(infos) == len(alternatives):
+            first = infos[0][1]
+            tensors[joined] = attrs.evolve(
+                first, source=f"join 'any.{joined}' of {', '.join(alternatives)}"
+            )
+    return errors
+
+
+def _control_errors(
+    config: ModelConfig,
+    graph: EnsembleGraph,
+    models: Mapping[str, ModelConfig],
+    tensors: Mapping[str, _TensorInfo],
+) -> list[str]:
+    """Conditions, maps, defaults and loops against the wiring."""
+    control = graph.control
+    name = config.name
+    errors = _step_control_errors(config, graph, models, tensors)
+    for tensor, declared in control.defaults.items():
+        key = f"ensemble '{name}': parameters 'default.{tensor}'"
+        info = tensors.get(tensor)
+        if info is None or info.step is None:
+            errors.append(f"{key}: tensor '{tensor}' is not made by any step")
+        elif info.data_type is not None and info.data_type != declared.data_type:
+            errors.append(
+                f"{key}: the default is {declared.data_type.name} and {info.source} is "
+                f"{_type_name(info.data_type)}"
+            )
+        elif not info.fits(declared.dims, False):
+            errors.append(
+                f"{key}: the default has dims {_fmt_shape(declared.dims)} and "
+                f"{info.source} has shape {_fmt_shape(info.shape)}"
+            )
+    for loop in control.loops:
+        errors.extend(_loop_errors(config, graph, models, tensors, loop))
+    if control.flows and is_decoupled(name, {**models, name: config}):
+        errors.append(
+            f"ensemble '{name}': conditions, joins, loops, maps, defaults and step timeouts "
+            "are not available in an ensemble that streams (it has a decoupled step)"
+        )
+    return errors
+
+
+def _step_control_errors(
+    config: ModelConfig,
+    graph: EnsembleGraph,
+    models: Mapping[str, ModelConfig],
+    tensors: Mapping[str, _TensorInfo],
+) -> list[str]:
+    """Each step's condition (a BOOL tensor made before it) and map (of tensors it takes)."""
+    errors = []
+    for index, own in graph.control.steps.items():
+        step = graph.steps[index]
+        name = config.name
+        key = f"ensemble '{name}': parameters 'step[{index}]"
+        if own.when is not None:
+            info = tensors.get(own.when)
+            if info is None:
+                errors.append(f"{key}.when': tensor '{own.when}' is not made by any step")
+            elif info.data_type is not None and info.data_type is not DataType.BOOL:
+                errors.append(
+                    f"{key}.when': tensor '{own.when}' ({info.source}) is "
+                    f"{_type_name(info.data_type)}; a condition is BOOL"
+                )
+            elif info.step == index:
+                errors.append(f"{key}.when': tensor '{own.when}' is the step's own output")
+        taken = {t for _, t in step.inputs}
+        for tensor in sorted(own.mapped - taken):
+            errors.append(f"{key}.map': tensor '{tensor}' is not one the step takes")
+        model = models.get(step.model_name)
+        if own.mapped and model is not None and model.decoupled:
+            errors.append(f"{key}.map': a decoupled model's step cannot be mapped")
+    return errors
+
+
+def _loop_errors(
+    config: ModelConfig,
+    graph: EnsembleGraph,
+    models: Mapping[str, ModelConfig],
+    tensors: Mapping[str, _TensorInfo],
+    loop: Loop,
+) -> list[str]:
+    """A loop's condition, its carried tensors, and what its steps may be."""
+    key = f"ensemble '{config.name}': parameters 'loop.{loop.name}'"
+    made = {t: i for i in loop.steps for _, t in graph.steps[i].outputs}
+    errors = _carry_errors(key, graph, tensors, loop, made)
+    info = tensors.get(loop.condition)
+    if loop.condition not in made:
+        errors.append(f"{key}: 'while' tensor '{loop.condition}' is not made by a step of the loop")
+    elif info is not None and info.data_type not in (None, DataType.BOOL):
+        errors.append(
+            f"{key}: 'while' tensor '{loop.condition}' is "
+            f"{_type_name(info.data_type)}; a condition is BOOL"
+        )
+    for index in sorted(loop.steps):
+        step = graph.steps[index]
+        if is_decoupled(step.model_name, models):
+            errors.append(f"{key}: step[{index}]'s model '{step.model_name}' is decoupled")
+    for joined, alternatives in graph.control.alternatives.items():
+        if any(t in made for t in alternatives):
+            errors.append(
+                f"{key}: join 'any.{joined}' takes a tensor the loop makes (join after the loop)"
+            )
+    return errors
+
+
+def _carry_errors(
+    key: str,
+    graph: EnsembleGraph,
+    tensors: Mapping[str, _TensorInfo],
+    loop: Loop,
+    made: Mapping[str, int],
+) -> list[str]:
+    """A loop's ``next``: each a tensor the loop makes, fed to one only its steps take."""
+    errors = []
+    for source, target in loop.carry:
+        if source not in made:
+            errors.append(f"{key}: 'next' takes '{source}', which no step of the loop makes")
+            continue
+        if target in made:
+            errors.append(f"{key}: 'next' feeds '{target}', which a step of the loop makes")
+            continue
+        users = [i for i in graph.consumers.get(target, ()) if i in loop.steps]
+        outside = [i for i in graph.consumers.get(target, ()) if i not in loop.steps]
+        if not users:
+            errors.append(f"{key}: 'next' feeds '{target}', which no step of the loop takes")
+        if outside or target in graph.outputs:
+            errors.append(
+                f"{key}: 'next' feeds '{target}', which is also taken outside the loop "
+                f"({', '.join(f'step[{i}]' for i in outside) or 'an ensemble output'}); "
+                f"take the loop's '{source}' there"
+            )
+        a, b = tensors.get(source), tensors.get(target)
+        if a and b and a.data_type and b.data_type and a.data_type != b.data_type:
+            errors.append(
+                f"{key}: 'next' feeds '{source}' ({_type_name(a.data_type)}) to '{target}' "
+                f"({_type_name(b.data_type)})"
+            )
     return errors

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ._config import ModelConfig
 from ._errors import ConfigError
@@ -133,6 +134,9 @@ class Model:
         initial_states: the bytes of each implicit state's ``initial_state`` ``data_file``
             (by the state's ``input_name``), in row-major order; a repository's model reads
             them from its ``initial_state/`` folder.
+        constants: an ensemble's constants and defaults declared with a ``file`` (see
+            docs/guide.md, "Control flow"), by tensor name; a repository's ensemble reads
+            them from its version folder.
         directory: the version folder a repository's model was read from (its files beside
             the code: a python-backend model's ``pb_utils.get_model_dir()``, and its folder
             is Triton's ``model_repository`` argument); None for a model made in Python
@@ -149,6 +153,7 @@ class Model:
     labels: Mapping[str, Sequence[str]]
     initial_states: Mapping[str, bytes] = attrs.field(repr=False)
     directory: Path | None
+    constants: Mapping[str, np.ndarray] = attrs.field(repr=False, eq=False)
 
     def __init__(
         self,
@@ -168,6 +173,7 @@ class Model:
         labels: Mapping[str, Sequence[str]] | None = None,
         initial_states: Mapping[str, bytes] | None = None,
         directory: Path | None = None,
+        constants: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Raises `ConfigError` where the arguments give more than one kind of code (with
         ``code``, the keywords of a `Function`'s parts change those parts, as
@@ -203,6 +209,7 @@ class Model:
             labels=labels if labels is not None else {},
             initial_states=initial_states if initial_states is not None else {},
             directory=directory,
+            constants=constants if constants is not None else {},
         )
 
     @property

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import attrs
+import numpy as np
 
 from ..backends import (
     auto_complete,
@@ -35,12 +36,14 @@ from ..protocols import (
     ONNX_PLATFORM,
     OWN_BACKENDS,
     ConfigError,
+    DataType,
     Model,
     ModelConfig,
     OnnxGraph,
     TritonClass,
     VersionPolicy,
     parse_model_config,
+    read_control,
 )
 from ._entries import (
     CONFIG_FILE,
@@ -310,6 +313,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
             source=config_source,
             revision=fingerprint,
             labels=labels,
+            constants=read_declared_files(config, entry.path / str(version), config_source),
         )
     path = entry.model_file(version)
     found = _Found(  # what every model of the folder has, whatever its code
@@ -379,3 +383,50 @@ def _checked(model: Model) -> Model:
     if errors:
         raise ConfigError(errors)
     return model
+
+
+def read_declared_files(config: ModelConfig, folder: Path, source: str) -> dict[str, np.ndarray]:
+    """The values of an ensemble's constants and defaults declared with a ``file``: ``.npy``
+    files of its version folder, each of the declared data type and dims.
+
+    Raises:
+        ConfigError: a file is missing, unreadable or of another type or shape (every such
+            problem, each naming the file and the parameter).
+    """
+    control, _ = read_control(config)  # its mistakes are reported by the ensemble's checks
+    values: dict[str, np.ndarray] = {}
+    problems = []
+    for kind, declared in (("constant", control.constants), ("default", control.defaults)):
+        for name, spec in declared.items():
+            if spec.file is None:
+                continue
+            path = folder / spec.file
+            if spec.data_type is DataType.BYTES:
+                problems.append(
+                    f"{source}: parameters '{kind}.{name}': give a TYPE_STRING tensor as "
+                    "'value' (a .npy file of strings needs pickle, which is not read)"
+                )
+                continue
+            where = f"{source}: parameters '{kind}.{name}': {path}"
+            try:
+                value = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                problems.append(f"{where}: cannot be read as a .npy file ({exc})")
+                continue
+            expected = spec.data_type.numpy_dtype
+            if value.dtype != expected:
+                problems.append(
+                    f"{where}: holds {value.dtype}, and the parameter declares "
+                    f"{spec.data_type.config_name} ({expected})"
+                )
+            elif value.shape != spec.dims:
+                problems.append(
+                    f"{where}: has shape {list(value.shape)}, and the parameter declares "
+                    f"dims {list(spec.dims)}"
+                )
+            else:
+                value.setflags(write=False)
+                values[name] = value
+    if problems:
+        raise ConfigError(problems)
+    return values

@@ -108,8 +108,10 @@ def ensemble(
     *,
     max_inflight_requests: int = 0,
     max_batch_size: int = 0,
+    parameters: Mapping[str, str] | None = None,
 ) -> Model:
-    """An ensemble definition."""
+    """An ensemble definition; ``parameters``: its control flow (docs/guide.md, "Control
+    flow") and other parameters."""
     return Model(
         config=ModelConfig(
             name=name,
@@ -120,6 +122,7 @@ def ensemble(
             ensemble_scheduling=EnsembleScheduling(
                 step=tuple(steps), max_inflight_requests=max_inflight_requests
             ),
+            parameters=dict(parameters or {}),
         )
     )
 

@@ -777,6 +777,7 @@ def test_graph_from_config() -> None:
         model_version=-1,
         inputs=(("IN", "RAW"),),
         outputs=(("OUT", "mid"),),
+        waits=("RAW",),
     )
     assert graph.steps[1].model_version == 2
     assert graph.consumers == {"RAW": (0,), "mid": (1, 2)}
