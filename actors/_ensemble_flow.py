@@ -39,13 +39,12 @@ from ..protocols import (
     Loop,
     ModelConfig,
     StepControl,
-    StepPlan,
     holds,
 )
 from ._ensemble_errors import ItemFailed
 
 if TYPE_CHECKING:
-    from ._ensemble_scheduler import Router, Run
+    from ._ensemble_scheduler import Router, Run, Step
 
 
 @attrs.define(eq=False)
@@ -217,7 +216,7 @@ def with_step_parameters(request: InferRequest, control: StepControl) -> InferRe
 
 
 async def map_step(
-    router: Router, plan: StepPlan, control: StepControl, request: InferRequest
+    router: Router, step: Step, control: StepControl, request: InferRequest
 ) -> InferResponse:
     """Run a mapped step's model once per item of its mapped inputs (their first dimension),
     at most ``control.max_items`` at a time, and gather the outputs in order.
@@ -230,6 +229,7 @@ async def map_step(
         InvalidRequestError: the mapped inputs differ in length, or one has no dimension.
         ItemFailed: an item's request failed (the other items are cancelled).
     """
+    plan = step.plan
     mapped = [name for name, tensor in plan.inputs if tensor in control.mapped]
     inputs = request.inputs
     lengths = {}
@@ -281,6 +281,7 @@ async def map_step(
             if failure:
                 limit.release()
                 break
+            step.items += 1
             nursery.start_soon(item, index, nursery.cancel_scope)
     if failure:
         raise failure[0]

@@ -151,6 +151,9 @@ class Step:
     """Runs buffered in the channel (sent and not yet received)."""
     in_flight: int = 0
     blocked_ns: int = 0
+    runs: int = 0
+    skipped: int = 0
+    items: int = 0
 
 
 @attrs.define(eq=False)
@@ -208,6 +211,9 @@ class Scheduler:
                 in_flight=s.in_flight,
                 max_inflight_requests=s.capacity,
                 blocked_ns=s.blocked_ns,
+                runs=s.runs,
+                skipped=s.skipped,
+                items=s.items,
             )
             for s in self.steps
         )
@@ -325,6 +331,7 @@ class Scheduler:
             step = self.steps[index]
             plan = step.plan
             if run.flow is not None and self.flow is not None and self.flow.skips(run, index):
+                step.skipped += 1
                 self.flow.skip(run, index, ready)
                 continue
             if step.queued == 0 and not self.in_task[index] and self._take_slot(step):
@@ -474,6 +481,7 @@ class Scheduler:
     def _begin_step(self, step: Step, request: InferRequest) -> None:
         plan = step.plan
         step.in_flight += 1
+        step.runs += 1
         if self.observer is not None:
             self.observer.step_started(self.config.name, plan.index, plan.model_name, request)
 
@@ -532,17 +540,17 @@ class Scheduler:
         plan = step.plan
         limit = control.timeout
         if limit is None:
-            return await self._once_or_mapped(plan, control, request)
+            return await self._once_or_mapped(step, control, request)
         with trio.move_on_after(limit):
-            return await self._once_or_mapped(plan, control, request)
+            return await self._once_or_mapped(step, control, request)
         raise InferenceTimeoutError(
             f"model '{plan.model_name}' did not answer within the step's timeout of "
             f"{limit * 1000:g} ms (parameter 'step[{plan.index}].timeout_ms')"
         )
 
     async def _once_or_mapped(
-        self, plan: StepPlan, control: StepControl, request: InferRequest
+        self, step: Step, control: StepControl, request: InferRequest
     ) -> InferResponse:
         if control.mapped:
-            return await map_step(self.router, plan, control, request)
+            return await map_step(self.router, step, control, request)
         return await self.router.infer(request, from_ensemble=True)

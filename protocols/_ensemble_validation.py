@@ -108,7 +108,8 @@ def validate_ensemble(
         errors.append(f"ensemble '{config.name}': ensemble_scheduling has no step")
         return errors
     control, problems = read_control(config)
-    errors.extend(problems)
+    if problems:  # the wiring checks need the declarations: a mistake there comes first
+        return errors + problems
     graph = EnsembleGraph.from_config(config)
     tensors = _ensemble_input_tensors(config)
     errors.extend(_constant_errors(config, control, tensors))
@@ -287,11 +288,13 @@ def _step_input_errors(
                     f"{where}: parameters 'step[{step.index}].map': tensor '{tensor}' "
                     f"({info.source}) has no dimension to map over"
                 )
-                info = None
+                continue
             elif info.shape and model is not None and model.max_batch_size == 0:
-                info = attrs.evolve(info, shape=info.shape[1:], batching=False)
+                item = f"an item of {info.source}"
+                info = attrs.evolve(info, shape=info.shape[1:], batching=False, source=item)
             elif info.shape:
-                info = attrs.evolve(info, batching=True)
+                item = f"items of {info.source}, each with a batch dimension of 1"
+                info = attrs.evolve(info, batching=True, source=item)
         if info is None:
             errors.append(
                 f"{where}: input '{model_input}' takes tensor '{tensor}', which is neither "

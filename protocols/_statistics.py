@@ -103,6 +103,13 @@ class StepStatistics:
     """The step's limit (0 = unbounded)."""
     blocked_ns: int
     """Total nanoseconds producers spent waiting for room in this step's channel."""
+    runs: int = 0
+    """Times the step sent its model a request (a loop's step once per iteration, a mapped
+    step once per run, whatever its items)."""
+    skipped: int = 0
+    """Times the step was skipped (its condition did not hold, or it takes a skipped tensor)."""
+    items: int = 0
+    """A mapped step's items sent to its model."""
 
 
 @attrs.frozen(kw_only=True)

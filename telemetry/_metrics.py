@@ -272,14 +272,32 @@ class ServerMetrics(Collector):
             "Time producers spent waiting for room in the step's channel (backpressure)",
             "counter",
         )
+        runs = _family(
+            "orchestrion_step_runs_total",
+            "Times the step sent its composing model a request (each loop iteration counts)",
+            "counter",
+        )
+        skipped = _family(
+            "orchestrion_step_skipped_total",
+            "Times the step was skipped (its condition did not hold, or an input was skipped)",
+            "counter",
+        )
+        items = _family(
+            "orchestrion_step_items_total",
+            "Items a mapped step sent to its composing model",
+            "counter",
+        )
         for s in steps:
             labels = {"ensemble": s.ensemble, "step": str(s.step), "model": s.model_name}
             queued.add_sample(queued.name, labels, s.queued)
             in_flight.add_sample(in_flight.name, labels, s.in_flight)
             limit.add_sample(limit.name, labels, s.max_inflight_requests)
             blocked.add_sample(blocked.name, labels, s.blocked_ns / 1e9)
+            runs.add_sample(runs.name, labels, s.runs)
+            skipped.add_sample(skipped.name, labels, s.skipped)
+            items.add_sample(items.name, labels, s.items)
         if steps:
-            yield from (queued, in_flight, limit, blocked)
+            yield from (queued, in_flight, limit, blocked, runs, skipped, items)
 
     @staticmethod
     def _loads(models: Sequence[ModelStatistics]) -> Iterator[Metric]:
