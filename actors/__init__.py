@@ -2,7 +2,7 @@
 
 from ..protocols import Model as Model
 from ._ensemble import EnsembleRunner as EnsembleRunner
-from ._ensemble_scheduler import Step as Step
+from ._ensemble_runs import Step as Step
 from ._fusion import Fusion as Fusion
 from ._instances import SWITCH_WINDOW as SWITCH_WINDOW
 from ._instances import Instance as Instance

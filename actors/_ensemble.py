@@ -49,7 +49,8 @@ from ..protocols import (
 )
 from ._ensemble_fusion import FusionGate
 from ._ensemble_plans import Plan, Plans
-from ._ensemble_scheduler import Router, Scheduler, Step
+from ._ensemble_runs import Router, Step
+from ._ensemble_scheduler import Scheduler
 from ._ensemble_streams import EnsembleStreams
 from ._fusion import Fusion
 from ._listed_fusion import ListedFusion

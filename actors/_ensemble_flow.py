@@ -25,7 +25,7 @@ Everything else is the scheduler's: channels, slots, backpressure, errors, cance
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -42,25 +42,7 @@ from ..protocols import (
     holds,
 )
 from ._ensemble_errors import ItemFailed
-
-if TYPE_CHECKING:
-    from ._ensemble_scheduler import Router, Run, Step
-
-
-@attrs.define(eq=False)
-class FlowState:
-    """One run's place in the control flow."""
-
-    skipped: set[str] = attrs.field(factory=set)
-    """Tensors whose maker was skipped (and that have no default)."""
-    joined: set[str] = attrs.field(factory=set)
-    """Joins already decided (their first alternative arrived, or all were absent)."""
-    absent: dict[str, int] = attrs.field(factory=dict)
-    """For each join, how many of its alternatives arrived absent so far."""
-    left: dict[str, int] = attrs.field(factory=dict)
-    """For each loop, how many of its steps are still to finish the current iteration."""
-    iterations: dict[str, int] = attrs.field(factory=dict)
-    """For each loop, the iterations finished."""
+from ._ensemble_runs import Router, Run, Step
 
 
 @attrs.define(eq=False)

@@ -42,7 +42,8 @@ from ..protocols import (
     fusion_mode,
 )
 from ._batch_queue import batch_size
-from ._ensemble_scheduler import Router, Scheduler
+from ._ensemble_runs import Router
+from ._ensemble_scheduler import Scheduler
 from ._executor import Executor
 from ._fusion import Fusion, SignatureState
 from ._listed_fusion import ListedFusion

@@ -33,7 +33,8 @@ from ..protocols import (
 from ._ensemble_errors import left_out_note, step_failed
 from ._ensemble_flow import with_step_parameters
 from ._ensemble_plans import Plan
-from ._ensemble_scheduler import Scheduler, Step
+from ._ensemble_runs import Step
+from ._ensemble_scheduler import Scheduler
 
 
 @attrs.define(eq=False)

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .._server import AsyncServer, open_server
-from ..protocols import OrchestrionError
+from ..protocols import OrchestrionError, read_control
 from ._cli_flags import add_server_flags, cache_settings
 from ._examples import Example, load_example
 from ._serve import LOOPBACK
@@ -125,6 +125,7 @@ async def _run(
             server, example, requests, concurrency, seed, console, counts, peaks
         )
         _summary(server, example, latencies, errors, wall, concurrency, console)
+        _control_summary(server, example.model, len(latencies) + len(errors), console)
         if cached and counts.get("distinct", 0) < len(latencies) + len(errors):
             console.print(
                 f"[dim]The example sends {counts['distinct']} distinct inputs, so most "
@@ -334,3 +335,47 @@ def _summary(
         console.print(f"[red]{line}[/red]", highlight=False)
     if len(errors) > 5:
         console.print(f"[red]... and {len(errors) - 5} more errors[/red]")
+
+
+def _control_summary(server: AsyncServer, model: str, requests: int, console: Console) -> None:
+    """What an ensemble's control flow did: a mapped step's items, a conditional step's runs
+    and skips, a loop's iterations (nothing for an ensemble that declares none)."""
+    config = server.model_config(model)
+    control, _ = read_control(config)
+    if not config.is_ensemble or control.empty or not requests:
+        return
+    table = Table(
+        title="control flow (declared in the ensemble's parameters)",
+        caption="ran: requests sent to the step's model (a loop's step: one per iteration); "
+        "per request: over the requests above",
+    )
+    for column in ("step", "model", "declared", "ran", "skipped", "items", "per request"):
+        table.add_column(column, justify="left" if column in ("model", "declared") else "right")
+    for s in server.step_statistics(model):
+        own = control.step(s.step)
+        loop = control.loop_of(s.step)
+        declared = []
+        if own is not None and own.mapped:
+            declared.append(f"map over {', '.join(sorted(own.mapped))}")
+        if own is not None and own.when is not None:
+            declared.append(f"when {'not ' if own.negate else ''}{own.when}")
+        if loop is not None:
+            declared.append(f"loop '{loop.name}' (at most {loop.max_iterations})")
+        if not declared:
+            continue
+        if own is not None and own.mapped:
+            per = f"{s.items / requests:.2f} items"
+        elif loop is not None:
+            per = f"{s.runs / requests:.2f} iterations"
+        else:
+            per = f"ran {s.runs / requests:.0%}"
+        table.add_row(
+            f"step[{s.step}]",
+            s.model_name,
+            "; ".join(declared),
+            str(s.runs),
+            str(s.skipped),
+            str(s.items) if own is not None and own.mapped else "-",
+            per,
+        )
+    console.print(table)

@@ -198,7 +198,10 @@ def test_cli_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["run", "no_such_example"]) == 2
     out = capsys.readouterr().out
     assert "no example 'no_such_example'" in out
-    assert "the examples are: image_pipeline, onnx_pipeline, streaming_backpressure" in out
+    assert (
+        "the examples are: detection_pipeline, image_pipeline, onnx_pipeline, "
+        "streaming_backpressure"
+    ) in out
 
 
 @pytest.mark.parametrize(
