@@ -358,4 +358,6 @@ def _loop(problems: _Problems, key: str, name: str, text: str, count: int) -> Lo
 
 def holds(value: np.ndarray | None) -> bool:
     """Whether a condition tensor holds: present, not empty, every element true."""
-    return value is not None and value.size > 0 and bool(np.all(value))
+    if value is None or value.size == 0:
+        return False
+    return bool(value.item()) if value.size == 1 else bool(np.all(value))

@@ -30,6 +30,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ),
         (["step_costs.py", "--requests", "40"], ["µs"]),
         (["python_calls.py", "--requests", "5", "--warmup", "2"], ["Python calls per request"]),
+        (
+            ["control_flow.py", "--rounds", "1", "--requests", "5", "--items", "8"],
+            ["skipped step", "map item", "loop iteration", "declared ÷ hand-written"],
+        ),
         # Starts its own redis-server, prints its three tables, stops it.
         (["cache.py", "--quick"], ["µs", "GB/s", "lookups/s"]),
         # Starts its own OTLP receiver; telemetry off, metrics, tracing at 100% and 1%.
@@ -75,6 +79,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "pipeline",
         "step_costs",
         "python_calls",
+        "control_flow",
         "cache",
         "telemetry",
         "batching",
