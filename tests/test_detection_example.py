@@ -91,3 +91,45 @@ def test_orchestrion_run_says_how_many_items_and_iterations_ran(
     assert "control flow" in out
     for declared in ("map over", "when unsure", "loop", "items", "iterations"):
         assert declared in out, out
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_served_over_the_wire_to_tritonclient(protocol: str) -> None:
+    """``orchestrion serve`` of the example's repository answers tritonclient over HTTP and
+    gRPC as in-process (a skipped second opinion comes back as its declared default), and
+    /metrics counts the map's items and the loop's iterations."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from orchestrion.testing import get, start_server
+
+    example = load(EXAMPLE / "example.py")
+    rng = np.random.default_rng(11)
+    images = [example.make_inputs(i, rng)["IMAGE"] for i in range(6)]
+    served = start_server(repository=EXAMPLE / "models")
+    try:
+        module: Any = httpclient if protocol == "http" else grpcclient
+        client = module.InferenceServerClient(getattr(served, protocol))
+        try:
+            items = rounds = 0
+            for image in images:
+                given = module.InferInput("IMAGE", [64, 64], "FP32")
+                given.set_data_from_numpy(image)
+                result = client.infer("detection_pipeline", [given])
+                boxes, unsure, expected_rounds = by_hand(image)
+                np.testing.assert_array_equal(result.as_numpy("BOXES"), boxes)
+                assert result.as_numpy("ROUNDS").tolist() == [expected_rounds]
+                assert result.as_numpy("CLASS_PROBABILITIES").shape == (len(boxes), 4)
+                skipped = (result.as_numpy("SECOND_OPINION") == -1).all()
+                assert skipped != unsure
+                items += len(boxes)
+                rounds += expected_rounds
+        finally:
+            client.close()
+        metrics = get(served.metrics, "/metrics")[1].decode()
+        labels = 'ensemble="detection_pipeline",model="{}",step="{}"'
+        lines = metrics.splitlines()
+        assert f"orchestrion_step_items_total{{{labels.format('classifier', 1)}}} {items}" in lines
+        assert f"orchestrion_step_runs_total{{{labels.format('refine', 3)}}} {rounds}" in lines
+    finally:
+        assert served.stop() == 0, served.text()

@@ -650,3 +650,87 @@ async def test_controlled_ensembles_are_not_fused() -> None:
         for _ in range(30):
             await server.infer("pipe", {"IN": np.array([1.0], np.float32)})
         assert orchestrion.testing.inside(server).fusion("pipe") is None
+
+
+async def test_cancelling_a_request_in_the_middle_of_a_loop_stops_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The client goes away during an iteration: the iteration's model call is cancelled, no
+    further iteration starts, and every counter comes back to rest."""
+    started: list[int] = []
+
+    async def execute(X: Any, N: Any) -> dict[str, Any]:
+        started.append(int(N[0]))
+        await trio.sleep(1 if N[0] < 2 else 1000)
+        return {"Y": X, "AGAIN": np.array([True]), "N1": N + 1}
+
+    models = refinement(max_iterations=10)
+    models[0] = model(
+        "halve",
+        execute,
+        [tensor("X", dims=(-1,)), tensor("N", "INT32", dims=ONE)],
+        [
+            tensor("Y", dims=(-1,)),
+            tensor("AGAIN", "BOOL", dims=ONE),
+            tensor("N1", "INT32", dims=ONE),
+        ],
+        jit=False,
+    )
+    async with orchestrion.open_server(models=models) as server:
+        with trio.move_on_after(2.5) as scope:  # iterations 0 and 1 end, then 2 hangs
+            await server.infer("pipe", {"IN": np.array([1.0], np.float32)})
+        assert scope.cancelled_caught
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == [0, 1, 2]
+        assert server.model_statistics("halve")[0].pending_request_count == 0
+        assert_idle(server, "pipe")
+
+
+async def test_each_item_and_each_iteration_is_a_span() -> None:
+    """Traced, a mapped step's items and a loop's iterations are each a span of their own,
+    children of the client's request span."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        async with orchestrion.open_server(models=mapped(summing()), tracing=provider) as server:
+            await server.infer("pipe", {"COUNT": np.array([5], np.int32)})
+        mapped_spans = exporter.get_finished_spans()
+        exporter.clear()
+        async with orchestrion.open_server(models=refinement(), tracing=provider) as server:
+            await server.infer("pipe", {"IN": np.array([100.0], np.float32)})
+        loop_spans = exporter.get_finished_spans()
+    finally:
+        provider.shutdown()
+    for spans, model_name, count in ((mapped_spans, "classify", 5), (loop_spans, "halve", 3)):
+        root = next(s for s in spans if s.name == "InferRequest")
+        children = [
+            s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id
+        ]
+        assert sorted(s.name for s in children).count(model_name) == count, [
+            s.name for s in children
+        ]
+
+
+async def test_metrics_count_runs_skips_and_items() -> None:
+    """/metrics exports each step's runs, skips and map items as counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with orchestrion.open_server(models=conditional()) as server:
+        await server.infer("pipe", {"IN": np.array([1.0], np.float32)})
+        await server.infer("pipe", {"IN": np.array([-1.0], np.float32)})
+        text = server.metrics_text()
+    values = {
+        (sample.name, sample.labels.get("step")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("ensemble") == "pipe"
+    }
+    assert values[("orchestrion_step_runs_total", "1")] == 1
+    assert values[("orchestrion_step_skipped_total", "1")] == 1
+    assert values[("orchestrion_step_skipped_total", "0")] == 0
+    assert values[("orchestrion_step_items_total", "1")] == 0
