@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from .protocols import CacheWriteRefusedError as CacheWriteRefusedError
     from .protocols import ConfigError as ConfigError
     from .protocols import DataType as DataType
+    from .protocols import DeclaredTensor as DeclaredTensor
+    from .protocols import EnsembleControl as EnsembleControl
+    from .protocols import EnsembleLoop as EnsembleLoop
     from .protocols import EnsembleScheduling as EnsembleScheduling
     from .protocols import EnsembleStep as EnsembleStep
     from .protocols import Function as Function
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from .protocols import QueueTimeoutError as QueueTimeoutError
     from .protocols import RequestOptions as RequestOptions
     from .protocols import ServerClosedError as ServerClosedError
+    from .protocols import StepControl as StepControl
     from .protocols import StepRefusedError as StepRefusedError
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
@@ -68,6 +72,9 @@ _WHERE = {
             "CacheWriteRefusedError",
             "ConfigError",
             "DataType",
+            "DeclaredTensor",
+            "EnsembleControl",
+            "EnsembleLoop",
             "EnsembleScheduling",
             "EnsembleStep",
             "Function",
@@ -91,6 +98,7 @@ _WHERE = {
             "QueueTimeoutError",
             "RequestOptions",
             "ServerClosedError",
+            "StepControl",
             "StepRefusedError",
             "StepStatistics",
             "TensorConfig",

@@ -33,10 +33,10 @@ import trio
 
 from ..protocols import (
     EnsembleGraph,
+    EnsembleLoop,
     InferRequest,
     InferResponse,
     InvalidRequestError,
-    Loop,
     ModelConfig,
     StepControl,
     holds,
@@ -50,7 +50,7 @@ class Flow:
     """An ensemble's declared control flow, as the scheduler applies it to each run."""
 
     graph: EnsembleGraph
-    loop_of: dict[int, Loop] = attrs.field(init=False)
+    loop_of: dict[int, EnsembleLoop] = attrs.field(init=False)
     again: dict[int, int] = attrs.field(init=False)
     """For each step of a loop: how many tensors it waits for that the loop's steps make
     (what it counts down in the iterations after the first)."""
@@ -169,7 +169,7 @@ class Flow:
                         if missing[consumer] == 0:
                             ready.append(consumer)
 
-    def _again(self, run: Run, loop: Loop, ready: list[int]) -> None:
+    def _again(self, run: Run, loop: EnsembleLoop, ready: list[int]) -> None:
         """Start the next iteration of ``loop`` in ``run``."""
         state = run.flow
         assert state is not None

@@ -48,7 +48,7 @@ from ._ensemble import StepPlan as StepPlan
 from ._ensemble import is_decoupled as is_decoupled
 from ._ensemble_control import DeclaredTensor as DeclaredTensor
 from ._ensemble_control import EnsembleControl as EnsembleControl
-from ._ensemble_control import Loop as Loop
+from ._ensemble_control import EnsembleLoop as EnsembleLoop
 from ._ensemble_control import StepControl as StepControl
 from ._ensemble_control import holds as holds
 from ._ensemble_control import read_control as read_control

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -55,16 +55,49 @@ _STEP_FIELDS = ("when", "parameters", "timeout_ms", "map", "max_items_in_flight"
 _LOOP_FIELDS = frozenset({"steps", "while", "max_iterations", "next"})
 
 
+def _names(value: str | Iterable[str]) -> frozenset[str]:
+    """Tensor names: a comma-separated string, or any collection of names."""
+    if isinstance(value, str):
+        return frozenset(n.strip() for n in value.split(",") if n.strip())
+    return frozenset(value)
+
+
+def _pairs(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(a), str(b)) for a, b in items))
+
+
 @attrs.frozen
 class DeclaredTensor:
-    """A tensor declared in the config: a constant or a default."""
+    """A tensor declared in the config: a constant or a default (`DeclaredTensor.of` makes one
+    from an array)."""
 
     data_type: DataType
-    dims: tuple[int, ...]
+    dims: tuple[int, ...] = attrs.field(converter=tuple)
     value: np.ndarray | None = attrs.field(eq=False, repr=False)
     """The value given inline, already of ``data_type`` and ``dims``; None when in a file."""
     file: str | None = None
     """The ``.npy`` file of the value, in the ensemble's version folder."""
+
+    @classmethod
+    def of(cls, value: Any) -> DeclaredTensor:
+        """The tensor ``value`` (an array, or anything ``numpy.asarray`` takes), inline."""
+        array = np.array(value)
+        array.setflags(write=False)
+        return cls(DataType.from_numpy(array.dtype), array.shape, array)
+
+    def as_parameter(self) -> str:
+        """The JSON of a ``constant.NAME`` or ``default.T`` parameter."""
+        spec: dict[str, Any] = {"data_type": self.data_type.config_name, "dims": list(self.dims)}
+        if self.value is None:
+            spec["file"] = self.file
+        elif self.data_type is DataType.BYTES:
+            spec["value"] = [
+                v.decode() if isinstance(v, bytes) else str(v) for v in self.value.ravel()
+            ]
+        else:
+            spec["value"] = self.value.tolist()
+        return json.dumps(spec)
 
 
 @attrs.frozen
@@ -78,7 +111,7 @@ class StepControl:
     parameters: Mapping[str, ParameterValue] = attrs.field(factory=dict)
     timeout: float | None = None
     """Seconds the step may take (None: no limit of its own)."""
-    mapped: frozenset[str] = frozenset()
+    mapped: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     """The step's input tensors it runs once per item of (empty: not a map)."""
     max_items: int = DEFAULT_MAX_ITEMS_IN_FLIGHT
 
@@ -89,28 +122,43 @@ class StepControl:
 
 
 @attrs.frozen
-class Loop:
+class EnsembleLoop:
     """A bounded loop: steps run again while a tensor holds."""
 
     name: str
-    steps: frozenset[int]
+    steps: frozenset[int] = attrs.field(converter=frozenset)
     condition: str
     """The BOOL tensor, made by a step of the loop, that says whether to go round again."""
     max_iterations: int
-    carry: tuple[tuple[str, str], ...]
-    """(body output, tensor it replaces in the next iteration) pairs."""
+    carry: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_pairs)
+    """(body output, tensor it replaces in the next iteration) pairs (a mapping is taken)."""
+
+
+def _loops(value: Iterable[EnsembleLoop]) -> tuple[EnsembleLoop, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
 class EnsembleControl:
-    """Every control declaration of one ensemble."""
+    """Every control declaration of one ensemble: what `read_control` reads from its
+    ``parameters``, and what an ensemble made in Python declares with `to_parameters`::
+
+        control = EnsembleControl(
+            constants={"threshold": DeclaredTensor.of(np.array([0.5], np.float32))},
+            steps={1: StepControl(mapped="crops"), 2: StepControl(when="unsure")},
+            loops=[EnsembleLoop("refine", [3], "changed", 3, {"BOXES": "boxes"})],
+        )
+        config = ModelConfig(..., parameters=control.to_parameters())
+    """
 
     constants: Mapping[str, DeclaredTensor] = attrs.field(factory=dict)
     defaults: Mapping[str, DeclaredTensor] = attrs.field(factory=dict)
+    """The value each tensor takes when the step making it is skipped."""
     alternatives: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     """``any.NAME``: each joined tensor and the tensors it is the first of."""
     steps: Mapping[int, StepControl] = attrs.field(factory=dict)
-    loops: tuple[Loop, ...] = ()
+    """What each step declares, by its index in ``ensemble_scheduling.step``."""
+    loops: tuple[EnsembleLoop, ...] = attrs.field(default=(), converter=_loops)
 
     @property
     def flows(self) -> bool:
@@ -128,11 +176,44 @@ class EnsembleControl:
         """Nothing is declared: the ensemble is Triton's."""
         return not (self.constants or self.steps or self.flows)
 
+    def to_parameters(self) -> dict[str, str]:
+        """The ``parameters`` entries that declare this (`read_control` reads them back): how
+        an ensemble made in Python declares its control flow, in its `ModelConfig`."""
+        out: dict[str, str] = {}
+        for name, declared in self.constants.items():
+            out[f"constant.{name}"] = declared.as_parameter()
+        for name, declared in self.defaults.items():
+            out[f"default.{name}"] = declared.as_parameter()
+        for name, alternatives in self.alternatives.items():
+            out[f"any.{name}"] = ", ".join(alternatives)
+        for index, own in self.steps.items():
+            key = f"step[{index}]"
+            if own.when is not None:
+                out[f"{key}.when"] = f"not {own.when}" if own.negate else own.when
+            if own.parameters:
+                out[f"{key}.parameters"] = json.dumps(dict(own.parameters))
+            if own.timeout is not None:
+                out[f"{key}.timeout_ms"] = str(round(own.timeout * 1000))
+            if own.mapped:
+                out[f"{key}.map"] = ", ".join(sorted(own.mapped))
+            if own.max_items != DEFAULT_MAX_ITEMS_IN_FLIGHT:
+                out[f"{key}.max_items_in_flight"] = str(own.max_items)
+        for loop in self.loops:
+            out[f"loop.{loop.name}"] = json.dumps(
+                {
+                    "steps": sorted(loop.steps),
+                    "while": loop.condition,
+                    "max_iterations": loop.max_iterations,
+                    "next": dict(loop.carry),
+                }
+            )
+        return out
+
     def step(self, index: int) -> StepControl | None:
         """What is declared for step ``index`` (None: nothing)."""
         return self.steps.get(index)
 
-    def loop_of(self, index: int) -> Loop | None:
+    def loop_of(self, index: int) -> EnsembleLoop | None:
         """The loop step ``index`` belongs to, if any."""
         return next((loop for loop in self.loops if index in loop.steps), None)
 
@@ -197,7 +278,7 @@ class _Named:
     constants: dict[str, DeclaredTensor] = attrs.field(factory=dict)
     defaults: dict[str, DeclaredTensor] = attrs.field(factory=dict)
     alternatives: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
-    loops: list[Loop] = attrs.field(factory=list)
+    loops: list[EnsembleLoop] = attrs.field(factory=list)
 
     def read(
         self, problems: _Problems, key: str, kind: str, name: str, text: str, count: int
@@ -317,7 +398,7 @@ def _declared_tensor(problems: _Problems, key: str, text: str) -> DeclaredTensor
     return DeclaredTensor(data_type, tuple(dims), value)
 
 
-def _loop(problems: _Problems, key: str, name: str, text: str, count: int) -> Loop | None:
+def _loop(problems: _Problems, key: str, name: str, text: str, count: int) -> EnsembleLoop | None:
     """A ``loop.NAME`` entry."""
     spec = _json(problems, key, text)
     if spec is None:
@@ -353,7 +434,7 @@ def _loop(problems: _Problems, key: str, name: str, text: str, count: int) -> Lo
         return None
     if bound is None:
         return None
-    return Loop(name, frozenset(steps), condition, bound, tuple(sorted(carry.items())))
+    return EnsembleLoop(name, frozenset(steps), condition, bound, tuple(sorted(carry.items())))
 
 
 def holds(value: np.ndarray | None) -> bool:

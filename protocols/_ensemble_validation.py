@@ -21,7 +21,7 @@ import attrs
 from ._config import ModelConfig, TensorConfig
 from ._dtypes import DataType
 from ._ensemble import EnsembleGraph, StepPlan, is_decoupled
-from ._ensemble_control import EnsembleControl, Loop, read_control
+from ._ensemble_control import EnsembleControl, EnsembleLoop, read_control
 
 MAX_INFLIGHT_LIMIT = 2**32
 
@@ -630,7 +630,7 @@ def _loop_errors(
     graph: EnsembleGraph,
     models: Mapping[str, ModelConfig],
     tensors: Mapping[str, _TensorInfo],
-    loop: Loop,
+    loop: EnsembleLoop,
 ) -> list[str]:
     """A loop's condition, its carried tensors, and what its steps may be."""
     key = f"ensemble '{config.name}': parameters 'loop.{loop.name}'"
@@ -660,7 +660,7 @@ def _carry_errors(
     key: str,
     graph: EnsembleGraph,
     tensors: Mapping[str, _TensorInfo],
-    loop: Loop,
+    loop: EnsembleLoop,
     made: Mapping[str, int],
 ) -> list[str]:
     """A loop's ``next``: each a tensor the loop makes, fed to one only its steps take."""

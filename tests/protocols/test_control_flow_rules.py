@@ -497,3 +497,43 @@ async def test_a_file_constant_of_an_ensemble_made_in_python_needs_its_value() -
     async with orchestrion.open_server(models=[mul, given]) as server:
         response = await server.infer("pipe", {"IN": np.array([1.0, 1.0], np.float32)})
     assert response.outputs["OUT"].tolist() == [2.0, 5.0]
+
+
+def test_an_ensemble_made_in_python_declares_the_same_with_typed_values() -> None:
+    """`EnsembleControl.to_parameters` writes what `read_control` reads back, values included,
+    so an ensemble made in Python needs no hand-written JSON."""
+    control = orchestrion.EnsembleControl(
+        constants={
+            "scale": orchestrion.DeclaredTensor.of(np.array([0.5], np.float32)),
+            "zero": orchestrion.DeclaredTensor.of(np.array([0], np.int32)),
+        },
+        defaults={"OPINION": orchestrion.DeclaredTensor.of(np.array([-1.0], np.float32))},
+        steps={
+            1: orchestrion.StepControl(mapped="boxes", max_items=16),
+            2: orchestrion.StepControl(when="unsure", timeout=0.5, parameters={"threshold": 0.5}),
+        },
+        loops=[
+            orchestrion.EnsembleLoop(
+                "refine", [3], "again", 3, {"REFINED": "scores", "ROUNDS": "zero"}
+            )
+        ],
+    )
+    parameters = control.to_parameters()
+    assert errors_of(parameters) == []
+    again, problems = read_control(pipeline(parameters))
+    assert problems == []
+    assert again == control
+    for name in ("scale", "zero"):
+        value = again.constants[name].value
+        assert value is not None
+        np.testing.assert_array_equal(value, control.constants[name].value)
+        assert value.dtype == control.constants[name].value.dtype
+    assert (
+        read_control(pipeline(VALID))[0] == read_control(pipeline(parameters | {"fusion": "on"}))[0]
+    )
+    strings = orchestrion.DeclaredTensor.of(np.array([b"a", b"bc"], dtype=object))
+    assert json.loads(strings.as_parameter()) == {
+        "data_type": "TYPE_STRING",
+        "dims": [2],
+        "value": ["a", "bc"],
+    }
