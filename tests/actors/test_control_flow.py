@@ -317,16 +317,22 @@ def mapped(
     ]
 
 
-def summing(execute: Any = None, **kw: Any) -> orchestrion.Model:
-    """SCORE = sum(BOX): a model that batches (max_batch_size 8, dynamic batching)."""
-    m = model(
+def classifier(execute: Any, **kw: Any) -> orchestrion.Model:
+    """A plain-Python model 'classify': BOX [4] -> SCORE [1] (``kw``: `model`'s options)."""
+    return model(
         "classify",
-        execute or (lambda BOX: {"SCORE": BOX.sum(axis=1, keepdims=True)}),
+        execute,
         [tensor("BOX", dims=(4,))],
         [tensor("SCORE", dims=ONE)],
         jit=False,
-        max_batch_size=8,
         **kw,
+    )
+
+
+def summing(execute: Any = None, **kw: Any) -> orchestrion.Model:
+    """SCORE = sum(BOX): a model that batches (max_batch_size 8, dynamic batching)."""
+    m = classifier(
+        execute or (lambda BOX: {"SCORE": BOX.sum(axis=1, keepdims=True)}), max_batch_size=8, **kw
     )
     return attrs.evolve(m, config=attrs.evolve(m.config, dynamic_batching=DynamicBatching()))
 
@@ -361,9 +367,7 @@ async def test_a_model_that_does_not_batch_gets_each_item_alone() -> None:
         seen.append(BOX.shape)
         return {"SCORE": BOX.sum(keepdims=True)}
 
-    classify = model(
-        "classify", execute, [tensor("BOX", dims=(4,))], [tensor("SCORE", dims=ONE)], jit=False
-    )
+    classify = classifier(execute)
     async with orchestrion.open_server(models=mapped(classify)) as server:
         response = await server.infer("pipe", {"COUNT": np.array([3], np.int32)})
     assert response.outputs["SCORES"].tolist() == expected_scores(3)
@@ -392,15 +396,7 @@ async def test_items_in_flight_stay_within_the_bound(
         now["in"] -= 1
         return {"SCORE": BOX.sum(axis=1, keepdims=True)}
 
-    classify = model(
-        "classify",
-        execute,
-        [tensor("BOX", dims=(4,))],
-        [tensor("SCORE", dims=ONE)],
-        jit=False,
-        max_batch_size=8,
-        count=16,
-    )
+    classify = classifier(execute, max_batch_size=8, count=16)
     async with orchestrion.open_server(models=mapped(classify, max_items=3)) as server:
         response = await server.infer("pipe", {"COUNT": np.array([12], np.int32)})
     assert response.outputs["SCORES"].tolist() == expected_scores(12)
@@ -415,9 +411,7 @@ async def test_a_failing_item_fails_the_run_naming_the_item() -> None:
             raise ValueError("bad box")
         return {"SCORE": BOX.sum(keepdims=True)}
 
-    classify = model(
-        "classify", execute, [tensor("BOX", dims=(4,))], [tensor("SCORE", dims=ONE)], jit=False
-    )
+    classify = classifier(execute)
     async with orchestrion.open_server(models=mapped(classify)) as server:
         with pytest.raises(orchestrion.InferenceError, match=r"step\[1\] item 5 of 8: .*bad box"):
             await server.infer("pipe", {"COUNT": np.array([8], np.int32)})
@@ -437,15 +431,7 @@ async def test_cancelling_a_request_in_the_middle_of_a_map_stops_its_items() -> 
         await release.wait()
         return {"SCORE": BOX.sum(axis=1, keepdims=True)}
 
-    classify = model(
-        "classify",
-        execute,
-        [tensor("BOX", dims=(4,))],
-        [tensor("SCORE", dims=ONE)],
-        jit=False,
-        max_batch_size=1,
-        count=4,
-    )
+    classify = classifier(execute, max_batch_size=1, count=4)
     async with orchestrion.open_server(models=mapped(classify, max_items=4)) as server:
         with trio.move_on_after(1):
             await server.infer("pipe", {"COUNT": np.array([1000], np.int32)})
@@ -486,15 +472,7 @@ async def test_max_inflight_requests_holds_through_a_mapped_step(
         await trio.sleep(1)
         return {"SCORE": BOX.sum(axis=1, keepdims=True)}
 
-    classify = model(
-        "classify",
-        execute,
-        [tensor("BOX", dims=(4,))],
-        [tensor("SCORE", dims=ONE)],
-        jit=False,
-        max_batch_size=8,
-        count=64,
-    )
+    classify = classifier(execute, max_batch_size=8, count=64)
     peaks: list[int] = []
     async with orchestrion.open_server(models=mapped(classify, limit=2)) as server:
         async with trio.open_nursery() as nursery:
