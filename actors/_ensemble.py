@@ -132,6 +132,7 @@ class EnsembleRunner:
             order,
             observed=self.observer is not None,
             step_outputs=everything.step_outputs,
+            constants=self._constants,
         )
         self._streams = EnsembleStreams(self._scheduler)
 

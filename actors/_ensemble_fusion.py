@@ -117,6 +117,8 @@ class FusionGate:
     """An observer listens: nothing is fused (it must see every step)."""
     step_outputs: Mapping[int, frozenset[str]]
     """Each step's outputs that someone consumes, when every output is requested."""
+    constants: Mapping[str, Any] = attrs.field(factory=dict)
+    """The ensemble's constants: a fused call starts from them as from the inputs."""
     fusion: Fusion | ListedFusion | None = None
     """The fusion for the composing models last checked; None: none (yet, or possible)."""
     nursery: trio.Nursery | None = None
@@ -136,10 +138,19 @@ class FusionGate:
         self.may_fuse = (
             self._mode is not FusionMode.OFF
             and not self.observed
-            and self.scheduler.graph.control.empty
+            and self._declares_at_most_constants()
             and all(t.reshape is None for t in self.config.input)
             and all(t.reshape is None for t in self.config.output)
         )
+
+    def _declares_at_most_constants(self) -> bool:
+        """Control flow, step parameters and timeouts need the scheduler; constants do not,
+        where no request's rows are gathered with another's (a constant has no batch
+        dimension to join along)."""
+        control = self.scheduler.graph.control
+        if control.empty:
+            return True
+        return not control.flows and not control.steps and self.config.max_batch_size == 0
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -169,6 +180,7 @@ class FusionGate:
         inputs = request.inputs
         if len(inputs) != len(self.config.input):  # an optional input left out
             return None
+        inputs = {**self.constants, **inputs} if self.constants else inputs
         fusion = self.current()
         if fusion is None or fusion.slow:
             return None
@@ -189,7 +201,7 @@ class FusionGate:
         if isinstance(fusion, ListedFusion):
             return await fusion.run(request, lambda: self._still_fusing(fusion))
         rows = batch_size(self.config.max_batch_size, inputs)
-        if fusion.gathers:
+        if fusion.gathers:  # never with constants (`_declares_at_most_constants`)
             gathered = await fusion.gather(
                 inputs, rows, lambda: self._still_fusing(fusion), self._compile_later
             )
@@ -228,7 +240,7 @@ class FusionGate:
         python = [step.runs_listed_inline for step in composing]
         if any(python):  # python-backend steps: all of them, or no fusion
             self.fusion = None
-            if all(python):
+            if all(python) and not self.constants:  # its requests carry the client's inputs
                 self.fusion = ListedFusion(
                     self.config.name,
                     self.order,

@@ -712,3 +712,39 @@ async def test_metrics_count_runs_skips_and_items() -> None:
     assert values[("orchestrion_step_skipped_total", "1")] == 1
     assert values[("orchestrion_step_skipped_total", "0")] == 0
     assert values[("orchestrion_step_items_total", "1")] == 0
+
+
+@pytest.mark.parametrize("mode", ["on", "xla"])
+async def test_an_ensemble_that_declares_only_constants_is_fused(mode: str) -> None:
+    """Constants need no scheduler: jitted steps still run fused (both fusion modes), with
+    the scheduler's answers."""
+
+    def pipe(name: str, fusion: str) -> orchestrion.Model:
+        return ensemble(
+            name,
+            [tensor("IN", dims=(2,))],
+            [tensor("OUT", dims=(2,))],
+            [
+                step("mul", {"X": "IN", "W": "w"}, {"Y": "mid"}),
+                step("add", {"X": "mid", "W": "b"}, {"Y": "OUT"}),
+            ],
+            parameters={
+                "constant.w": constant("TYPE_FP32", [2], [2.0, 3.0]),
+                "constant.b": constant("TYPE_FP32", [2], [1.0, -1.0]),
+                "fusion": fusion,
+            },
+        )
+
+    two = [tensor("X", dims=(2,)), tensor("W", dims=(2,))]
+    models = [
+        model("mul", lambda X, W: {"Y": X * W}, two, [tensor("Y", dims=(2,))]),
+        model("add", lambda X, W: {"Y": X + W}, two, [tensor("Y", dims=(2,))]),
+        pipe("fused", mode),
+        pipe("scheduled", "off"),
+    ]
+    x = {"IN": np.array([1.0, 2.0], np.float32)}
+    async with orchestrion.open_server(models=models) as server:
+        assert await orchestrion.testing.infer_until_fused(server, "fused", x)
+        fused = await server.infer("fused", x)
+        scheduled = await server.infer("scheduled", x)
+    assert fused.outputs["OUT"].tolist() == scheduled.outputs["OUT"].tolist() == [3.0, 5.0]
