@@ -34,6 +34,7 @@ import trio
 from ..protocols import (
     EnsembleGraph,
     EnsembleLoop,
+    InferenceError,
     InferRequest,
     InferResponse,
     InvalidRequestError,
@@ -205,7 +206,9 @@ async def map_step(
 
     A model that batches gets each item with a batch dimension of 1 (so its dynamic batcher
     gathers items); one that does not gets the item itself. Outputs are joined along a new
-    first dimension (a batching model's along its batch dimension).
+    first dimension (a batching model's along its batch dimension). A mapped tensor that an
+    earlier model left out: the model is asked once without it, as without a map (it refuses
+    the request if it requires the input).
 
     Raises:
         InvalidRequestError: the mapped inputs differ in length, or one has no dimension.
@@ -217,8 +220,8 @@ async def map_step(
     lengths = {}
     for name in mapped:
         value = inputs.get(name)
-        if value is None:
-            continue
+        if value is None:  # an earlier model left it out: asked once, as Triton would ask
+            return await router.infer(request, from_ensemble=True)  # (it refuses, if required)
         if value.ndim == 0:
             raise InvalidRequestError(f"input '{name}' is mapped over but has no dimension")
         lengths[name] = value.shape[0]
@@ -295,5 +298,13 @@ def _gathered(
         if any(v is None for v in values):
             continue
         arrays = [np.asarray(v) for v in values]
+        shapes = {a.shape[1:] if batching else a.shape for a in arrays}
+        if len(shapes) > 1:
+            raise InferenceError(
+                f"model '{config.name}': the items' output '{name}' differ in shape "
+                f"({', '.join(str(list(s)) for s in sorted(shapes))}), so they cannot be "
+                "joined; a mapped step's outputs must have one shape for every item",
+                model_name=config.name,
+            )
         gathered[name] = np.concatenate(arrays) if batching else np.stack(arrays)
     return gathered

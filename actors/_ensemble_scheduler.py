@@ -77,6 +77,11 @@ class Scheduler:
     """What each step's parameters declare (maps, timeouts, parameters)."""
     in_task: list[bool] = attrs.field(init=False, factory=list)
     """Steps that always run in a task of their own (a map, a timeout)."""
+    in_loop: list[bool] = attrs.field(init=False, factory=list)
+    """Steps of a loop. Such a step gives its slot back before it waits for room at the
+    next step: the next iteration goes back to the loop's own steps, whose slots may be held
+    by runs waiting for room in this step's channel, and holding on would deadlock. What
+    waits then is one run each, never more than the clients in flight."""
 
     def __attrs_post_init__(self) -> None:
         assert self.config.ensemble_scheduling is not None
@@ -98,6 +103,7 @@ class Scheduler:
         control = self.graph.control
         self.controls = [control.step(plan.index) for plan in self.graph.steps]
         self.in_task = [c is not None and c.needs_task for c in self.controls]
+        self.in_loop = [control.loop_of(plan.index) is not None for plan in self.graph.steps]
         if control.flows:
             self.flow = Flow(self.graph)
 
@@ -300,13 +306,18 @@ class Scheduler:
 
     async def _run_step(self, step: Step, run: Run, request: InferRequest) -> None:
         """A step whose model must be awaited (async, threaded, busy, nested ensemble)."""
+        held = True
         with trio.CancelScope() as scope:
             run.scopes.add(scope)
             try:
                 if run.dead:  # failed or abandoned since it was queued
                     return
                 response = await self._call_model(step, run, request)
-                for index in self._advance(run, self._deliver(run, step.plan, response)):
+                blocked = self._advance(run, self._deliver(run, step.plan, response))
+                if blocked and self.in_loop[step.plan.index]:
+                    held = False  # see `in_loop`
+                    self._release(step)
+                for index in blocked:
                     await self._send_to(run, index)
             except BaseException:
                 if not run.abandoned:  # cancelled from outside: the server is stopping
@@ -314,11 +325,16 @@ class Scheduler:
                 raise
             finally:
                 run.scopes.discard(scope)
-                self._release(step)
+                if held:
+                    self._release(step)
                 run.step_done()
 
     async def _hand_over(self, step: Step, run: Run, ready: list[int]) -> None:
-        """Finish a synchronous step whose successors' channels were full (keeps its slot)."""
+        """Finish a synchronous step whose successors' channels were full (keeps its slot,
+        unless it is a loop's step: see `in_loop`)."""
+        held = not self.in_loop[step.plan.index]
+        if not held:
+            self._release(step)
         try:
             for index in ready:
                 await self._send_to(run, index)
@@ -327,7 +343,8 @@ class Scheduler:
                 run.fail(_closed())
             raise
         finally:
-            self._release(step)
+            if held:
+                self._release(step)
             run.step_done()
 
     def _deliver(self, run: Run, plan: StepPlan, response: InferResponse | None) -> list[int]:
@@ -448,7 +465,7 @@ class Scheduler:
             return await self._once_or_mapped(step, control, request)
         raise InferenceTimeoutError(
             f"model '{plan.model_name}' did not answer within the step's timeout of "
-            f"{limit * 1000:g} ms (parameter 'step[{plan.index}].timeout_ms')"
+            f"{round(limit * 1000)} ms (parameter 'step[{plan.index}].timeout_ms')"
         )
 
     async def _once_or_mapped(

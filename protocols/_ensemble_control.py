@@ -252,6 +252,35 @@ def read_control(config: ModelConfig) -> tuple[EnsembleControl, list[str]]:
             named.read(problems, key, match[1], match[2], text, count)
         elif key.startswith(("step[", "step.", "steps.")):
             problems.add(key, "a step's key is 'step[N].FIELD', N its index from 0")
+        elif key in ("constant.", "default.", "any.", "loop."):
+            problems.add(key, "the key names no tensor or loop after the dot")
+    _whole_problems(problems, named, step_fields)
+    control = EnsembleControl(
+        constants=named.constants,
+        defaults=named.defaults,
+        alternatives=named.alternatives,
+        steps={i: StepControl(**fields) for i, fields in sorted(step_fields.items())},
+        loops=tuple(named.loops),
+    )
+    return control, list(problems)
+
+
+def _whole_problems(
+    problems: _Problems, named: _Named, step_fields: Mapping[int, Mapping[str, Any]]
+) -> None:
+    """Mistakes only the declarations together show: a join of joins, a bound on a map's
+    items without a map, a step in two loops."""
+    for joined, alternatives in named.alternatives.items():
+        nested = [a for a in alternatives if a in named.alternatives]
+        if nested:
+            problems.add(
+                f"any.{joined}",
+                f"alternative '{nested[0]}' is itself a join: list all the alternatives in "
+                "one join (the first of them to arrive is the same)",
+            )
+    for index, fields in step_fields.items():
+        if "max_items" in fields and "mapped" not in fields:
+            problems.add(f"step[{index}].max_items_in_flight", f"step[{index}] has no 'map'")
     seen: dict[int, str] = {}
     for loop in named.loops:
         for index in sorted(loop.steps):
@@ -261,14 +290,6 @@ def read_control(config: ModelConfig) -> tuple[EnsembleControl, list[str]]:
                     f"step[{index}] is already in loop '{seen[index]}' (loops do not nest)",
                 )
             seen[index] = loop.name
-    control = EnsembleControl(
-        constants=named.constants,
-        defaults=named.defaults,
-        alternatives=named.alternatives,
-        steps={i: StepControl(**fields) for i, fields in sorted(step_fields.items())},
-        loops=tuple(named.loops),
-    )
-    return control, list(problems)
 
 
 @attrs.define
@@ -389,7 +410,7 @@ def _declared_tensor(problems: _Problems, key: str, text: str) -> DeclaredTensor
         if data_type is DataType.BYTES:
             value = np.array([str(v).encode() for v in value.ravel()], dtype=object)
         value = value.reshape(dims)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
         problems.add(
             key, f"'value' does not make a {data_type.config_name} tensor of dims {dims}: {exc}"
         )
@@ -417,7 +438,11 @@ def _loop(problems: _Problems, key: str, name: str, text: str, count: int) -> En
         return None
     bound = _positive_int(problems, key + " max_iterations", spec["max_iterations"])
     steps = spec.get("steps")
-    if not isinstance(steps, list) or not steps or not all(isinstance(s, int) for s in steps):
+    if (
+        not isinstance(steps, list)
+        or not steps
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+    ):
         problems.add(key, f"'steps' must list the loop's step indices, got {steps!r}")
         return None
     outside = [s for s in steps if not 0 <= s < count]

@@ -411,11 +411,7 @@ def _reachability_errors(
                 available.update(j for j, alts in alternatives.items() if available & set(alts))
                 progress = True
     cycle = _cycle(graph, ran)
-    why = (
-        f"steps wait on each other in a cycle: {cycle}; repeat steps with a 'loop.NAME' parameter"
-        if cycle
-        else "the steps leading to it wait on each other or on tensors nobody produces"
-    )
+    why = cycle or "the steps leading to it wait on each other or on tensors nobody produces"
     errors = [
         f"ensemble '{config.name}': ensemble output '{t.name}' is not reachable from the "
         f"ensemble inputs ({why})"
@@ -495,7 +491,19 @@ def _cycle(graph: EnsembleGraph, ran: set[int]) -> str:
                 child = children[position]
                 if state.get(child) == 1:
                     cycle = [*path[path.index(child) :], child]
-                    return " -> ".join(f"step[{i}]" for i in cycle)
+                    loops = {graph.control.loop_of(i) for i in cycle}
+                    text = " -> ".join(f"step[{i}]" for i in cycle)
+                    if len(loops) == 1 and None not in loops:
+                        (loop,) = loops
+                        assert loop is not None
+                        return (
+                            f"steps of loop '{loop.name}' wait on each other: {text}; an "
+                            "iteration feeds the next through the loop's 'next'"
+                        )
+                    return (
+                        f"steps wait on each other in a cycle: {text}; repeat steps with a "
+                        "'loop.NAME' parameter"
+                    )
                 if child not in state:
                     todo.append((child, 0))
             else:
@@ -545,6 +553,18 @@ def _join_errors(
             else:
                 infos.append((tensor, info))
         kinds = {info.data_type for _, info in infos if info.data_type is not None}
+        shapes = [info for _, info in infos if info.shape]
+        if any(not shapes[0].fits(i.shape, i.batching) for i in shapes[1:]):
+            errors.append(
+                f"{key}: the alternatives differ in shape: "
+                + ", ".join(f"'{t}' is {_fmt_shape(info.shape)}" for t, info in infos)
+            )
+        for tensor in alternatives:
+            if tensor in control.defaults:
+                errors.append(
+                    f"{key}: alternative '{tensor}' has a default, which would arrive first "
+                    f"whenever its step is skipped; declare 'default.{joined}' instead"
+                )
         if len(kinds) > 1:
             errors.append(
                 f"{key}: the alternatives differ in data type: "
@@ -653,7 +673,39 @@ def _loop_errors(
             errors.append(
                 f"{key}: join 'any.{joined}' takes a tensor the loop makes (join after the loop)"
             )
+    errors.extend(
+        f"{key}: step[{i}] (model '{graph.steps[i].model_name}') takes what the loop makes "
+        "and makes what the loop takes, so it would wait for the loop's end and the loop for "
+        "it: add it to the loop's 'steps'"
+        for i in _between(graph, loop)
+    )
     return errors
+
+
+def _between(graph: EnsembleGraph, loop: EnsembleLoop) -> list[int]:
+    """The steps outside ``loop`` that take (through other steps) what it makes and make what
+    it takes: the loop would wait for them, and they for its end."""
+
+    def closure(start: set[int], edges: Mapping[int, set[int]]) -> set[int]:
+        seen, todo = set(), list(start)
+        while todo:
+            index = todo.pop()
+            for other in edges.get(index, ()):
+                if other not in seen:
+                    seen.add(other)
+                    todo.append(other)
+        return seen
+
+    after: dict[int, set[int]] = {}  # step -> the steps that take what it makes
+    before: dict[int, set[int]] = {}  # step -> the steps that make what it takes
+    for step in graph.steps:
+        for tensor in step.waits:
+            for maker in graph.makers(tensor):
+                after.setdefault(maker, set()).add(step.index)
+                before.setdefault(step.index, set()).add(maker)
+    downstream = closure(set(loop.steps), after) - loop.steps
+    upstream = closure(set(loop.steps), before) - loop.steps
+    return sorted(downstream & upstream)
 
 
 def _carry_errors(
@@ -672,8 +724,9 @@ def _carry_errors(
         if target in made:
             errors.append(f"{key}: 'next' feeds '{target}', which a step of the loop makes")
             continue
-        users = [i for i in graph.consumers.get(target, ()) if i in loop.steps]
-        outside = [i for i in graph.consumers.get(target, ()) if i not in loop.steps]
+        takers = [step.index for step in graph.steps if target in step.waits]
+        users = [i for i in takers if i in loop.steps]
+        outside = [i for i in takers if i not in loop.steps]
         if not users:
             errors.append(f"{key}: 'next' feeds '{target}', which no step of the loop takes")
         if outside or target in graph.outputs:
@@ -687,5 +740,10 @@ def _carry_errors(
             errors.append(
                 f"{key}: 'next' feeds '{source}' ({_type_name(a.data_type)}) to '{target}' "
                 f"({_type_name(b.data_type)})"
+            )
+        elif a and b and a.data_type and b.data_type and not b.fits(a.shape, a.batching):
+            errors.append(
+                f"{key}: 'next' feeds '{source}' of shape {_fmt_shape(a.shape)} to "
+                f"'{target}' of shape {_fmt_shape(b.shape)}"
             )
     return errors

@@ -748,3 +748,154 @@ async def test_an_ensemble_that_declares_only_constants_is_fused(mode: str) -> N
         fused = await server.infer("fused", x)
         scheduled = await server.infer("scheduled", x)
     assert fused.outputs["OUT"].tolist() == scheduled.outputs["OUT"].tolist() == [3.0, 5.0]
+
+
+def countdown(name: str = "dec", delay: float = 0.01) -> orchestrion.Model:
+    """Y = X - 1, AGAIN = Y > 0 (async: each iteration waits ``delay`` seconds)."""
+
+    async def execute(X: Any) -> dict[str, Any]:
+        await trio.sleep(delay)
+        return {"Y": X - 1, "AGAIN": np.array([X[0] - 1 > 0])}
+
+    return model(
+        name,
+        execute,
+        [tensor("X", dims=ONE)],
+        [tensor("Y", dims=ONE), tensor("AGAIN", "BOOL", dims=ONE)],
+        jit=False,
+    )
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+async def test_loops_do_not_deadlock_under_max_inflight_requests(
+    autojump_clock: trio.testing.MockClock, steps: int
+) -> None:
+    """With max_inflight_requests 1, runs re-entering a loop and runs entering it wait for
+    the same slots: a loop's step gives its slot back before it waits to send, so every
+    run finishes (one-step and two-step loops, many runs at once)."""
+    wiring = [step("dec", {"X": "IN"}, {"Y": "OUT" if steps == 1 else "mid", "AGAIN": "again"})]
+    if steps == 2:
+        wiring.append(step("pass", {"X": "mid"}, {"Y": "OUT"}))
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN", dims=ONE)],
+        [tensor("OUT", dims=ONE)],
+        wiring,
+        max_inflight_requests=1,
+        parameters={
+            "loop.l": json.dumps(
+                {
+                    "steps": list(range(steps)),
+                    "while": "again",
+                    "max_iterations": 10,
+                    "next": {"OUT": "IN"},
+                }
+            )
+        },
+    )
+    models = [countdown(), scaler("pass", 1.0), pipe]
+    async with orchestrion.open_server(models=models) as server:
+        results: dict[int, Any] = {}
+
+        async def one(index: int) -> None:
+            with trio.fail_after(60):
+                answer = await server.infer("pipe", {"IN": np.array([3.0], np.float32)})
+            results[index] = answer.outputs["OUT"].tolist()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(6):
+                nursery.start_soon(one, index)
+        assert results == {i: [0.0] for i in range(6)}
+        assert server.step_statistics("pipe")[0].runs == 18
+        assert_idle(server, "pipe")
+
+
+async def test_two_loops_one_after_the_other() -> None:
+    """The second loop starts from the first one's last output (its 'next' feeds a tensor
+    the first loop makes, once that loop is over)."""
+    halve = model(
+        "halve",
+        lambda X: {"Y": X / 2, "AGAIN": np.array([X[0] / 2 > 8])},
+        [tensor("X", dims=ONE)],
+        [tensor("Y", dims=ONE), tensor("AGAIN", "BOOL", dims=ONE)],
+        jit=False,
+    )
+    pipe = ensemble(
+        "pipe",
+        [tensor("IN", dims=ONE)],
+        [tensor("OUT", dims=ONE)],
+        [
+            step("halve", {"X": "IN"}, {"Y": "coarse", "AGAIN": "a1"}),
+            step("dec", {"X": "coarse"}, {"Y": "OUT", "AGAIN": "a2"}),
+        ],
+        parameters={
+            "loop.a": json.dumps(
+                {"steps": [0], "while": "a1", "max_iterations": 10, "next": {"coarse": "IN"}}
+            ),
+            "loop.b": json.dumps(
+                {"steps": [1], "while": "a2", "max_iterations": 100, "next": {"OUT": "coarse"}}
+            ),
+        },
+    )
+    async with orchestrion.open_server(models=[halve, countdown(delay=0), pipe]) as server:
+        response = await server.infer("pipe", {"IN": np.array([100.0], np.float32)})
+        # 100 -> 50 -> 25 -> 12.5 -> 6.25, then 6.25 - 1 ... until at most 0: -0.75
+        assert response.outputs["OUT"].tolist() == [-0.75]
+        assert [s.runs for s in server.step_statistics("pipe")] == [4, 7]
+
+
+async def test_a_map_over_a_tensor_an_earlier_model_left_out() -> None:
+    """As without a map: the step's model is asked once and refuses, naming the step that
+    left the tensor out."""
+
+    def detect(COUNT: Any) -> dict[str, Any]:
+        count = int(COUNT[0])
+        return {} if count == 0 else {"BOXES": np.ones((count, 4), np.float32)}
+
+    models = mapped(classifier(lambda BOX: {"SCORE": BOX.sum(keepdims=True)}))
+    models[0] = model(
+        "detect",
+        detect,
+        [tensor("COUNT", "INT32", dims=ONE)],
+        [tensor("BOXES", dims=(-1, 4))],
+        jit=False,
+    )
+    async with orchestrion.open_server(models=models) as server:
+        with pytest.raises(
+            orchestrion.StepRefusedError,
+            match=r"step\[1\]: model 'classify': missing required input 'BOX' \(tensor 'boxes': "
+            r"step\[0\]'s model 'detect' left its output 'BOXES' out\)",
+        ):
+            await server.infer("pipe", {"COUNT": np.array([0], np.int32)})
+        response = await server.infer("pipe", {"COUNT": np.array([2], np.int32)})
+        assert response.outputs["SCORES"].tolist() == [[4.0], [4.0]]
+
+
+async def test_items_whose_outputs_differ_in_shape_are_an_error() -> None:
+    """Outputs that cannot be joined (a -1 dim that differs per item) fail the request with
+    a message that says so, naming the step."""
+    ragged = model(
+        "classify",
+        lambda BOX: {"SCORE": np.ones(int(BOX[0]) // 4 % 2 + 1, np.float32)},  # item parity
+        [tensor("BOX", dims=(4,))],
+        [tensor("SCORE", dims=(-1,))],
+        jit=False,
+    )
+    models = mapped(ragged)
+    models[-1] = ensemble(
+        "pipe",
+        [tensor("COUNT", "INT32", dims=ONE)],
+        [tensor("SCORES", dims=(-1, -1))],
+        [
+            step("detect", {"COUNT": "COUNT"}, {"BOXES": "boxes"}),
+            step("classify", {"BOX": "boxes"}, {"SCORE": "SCORES"}),
+        ],
+        parameters={"step[1].map": "boxes"},
+    )
+    async with orchestrion.open_server(models=models) as server:
+        with pytest.raises(
+            orchestrion.InferenceError,
+            match=r"step\[1\]: model 'classify': the items' output 'SCORE' differ in shape "
+            r"\(\[1\], \[2\]\)",
+        ):
+            await server.infer("pipe", {"COUNT": np.array([3], np.int32)})

@@ -239,6 +239,32 @@ BROKEN = [
         {"step.2.when": "unsure"},
         "parameters 'step.2.when': a step's key is 'step[N].FIELD', N its index from 0",
     ),
+    ({"constant.": "{}"}, "parameters 'constant.': the key names no tensor or loop after the dot"),
+    (
+        {"constant.scale": '{"data_type": "TYPE_INT8", "dims": [1], "value": [300]}'},
+        "parameters 'constant.scale': 'value' does not make a TYPE_INT8 tensor of dims [1]: "
+        "Python integer 300 out of bounds for int8",
+    ),
+    (
+        {"step[2].max_items_in_flight": "4"},
+        "parameters 'step[2].max_items_in_flight': step[2] has no 'map'",
+    ),
+    (
+        {"loop.refine": '{"steps": [true], "while": "again", "max_iterations": 3}'},
+        "parameters 'loop.refine': 'steps' must list the loop's step indices, got [True]",
+    ),
+    (
+        {"any.A": "scores, OPINION", "any.B": "A, REFINED"},
+        "parameters 'any.B': alternative 'A' is itself a join: list all the alternatives in "
+        "one join (the first of them to arrive is the same)",
+    ),
+    (
+        {
+            "loop.refine": '{"steps": [3], "while": "again", "max_iterations": 3, '
+            '"next": {"REFINED": "scores", "ROUNDS": "zero", "again": "nothing"}}'
+        },
+        "parameters 'loop.refine': 'next' feeds 'nothing', which no step of the loop takes",
+    ),
 ]
 
 
@@ -537,3 +563,102 @@ def test_an_ensemble_made_in_python_declares_the_same_with_typed_values() -> Non
         "dims": [2],
         "value": ["a", "bc"],
     }
+
+
+def test_join_alternatives_agree_in_shape_and_carry_no_default() -> None:
+    """A join's alternatives are one tensor to what takes it: the same shape; a default on
+    one of them would win the join whenever its step is skipped, so it belongs on the join."""
+    models = {
+        "left": model("left", [tensor("X")], [tensor("Y")]),
+        "right": model("right", [tensor("X")], [tensor("Y", dims=(2,))]),
+        "finish": model("finish", [tensor("X")], [tensor("Y")]),
+    }
+
+    def config(parameters: dict[str, str]) -> ModelConfig:
+        return ModelConfig(
+            name="pipe",
+            platform="ensemble",
+            input=(tensor("IN"),),
+            output=(tensor("OUT"),),
+            ensemble_scheduling=EnsembleScheduling(
+                step=(
+                    step("left", {"X": "IN"}, {"Y": "a"}),
+                    step("right", {"X": "IN"}, {"Y": "b"}),
+                    step("finish", {"X": "j"}, {"Y": "OUT"}),
+                )
+            ),
+            parameters={"any.j": "a, b", **parameters},
+        )
+
+    (error,) = validate_repository({**models, "pipe": config({})})
+    assert error == (
+        "ensemble 'pipe': parameters 'any.j': the alternatives differ in shape: 'a' is [4], "
+        "'b' is [2]"
+    )
+    same = {**models, "right": model("right", [tensor("X")], [tensor("Y")])}
+    default = '{"data_type": "TYPE_FP32", "dims": [4], "value": [0, 0, 0, 0]}'
+    (error,) = validate_repository({**same, "pipe": config({"default.a": default})})
+    assert error == (
+        "ensemble 'pipe': parameters 'any.j': alternative 'a' has a default, which would "
+        "arrive first whenever its step is skipped; declare 'default.j' instead"
+    )
+    assert validate_repository({**same, "pipe": config({"default.j": default})}) == []
+
+
+def test_a_step_between_two_steps_of_a_loop_must_be_in_it() -> None:
+    """A step outside a loop that takes what the loop makes and makes what it takes would
+    wait for the loop's end, and the loop for it."""
+    models = {
+        "a": model("a", [tensor("X")], [tensor("Y")]),
+        "b": model("b", [tensor("X")], [tensor("Y")]),
+        "c": model("c", [tensor("X")], [tensor("Y"), tensor("AGAIN", BOOL, (1,))]),
+    }
+    config = ModelConfig(
+        name="pipe",
+        platform="ensemble",
+        input=(tensor("IN"),),
+        output=(tensor("OUT"),),
+        ensemble_scheduling=EnsembleScheduling(
+            step=(
+                step("a", {"X": "IN"}, {"Y": "mid"}),
+                step("b", {"X": "mid"}, {"Y": "mid2"}),
+                step("c", {"X": "mid2"}, {"Y": "OUT", "AGAIN": "again"}),
+            )
+        ),
+        parameters={
+            "loop.l": '{"steps": [0, 2], "while": "again", "max_iterations": 3, '
+            '"next": {"OUT": "IN"}}'
+        },
+    )
+    found = validate_repository({**models, "pipe": config})
+    assert found[0] == (
+        "ensemble 'pipe': parameters 'loop.l': step[1] (model 'b') takes what the loop makes "
+        "and makes what the loop takes, so it would wait for the loop's end and the loop for "
+        "it: add it to the loop's 'steps'"
+    ), found
+
+
+def test_steps_of_a_loop_that_wait_on_each_other_are_told_about_next() -> None:
+    """Within a loop, an iteration's output reaches the next through 'next', not wiring."""
+    models = {
+        "a": model("a", [tensor("X"), tensor("F")], [tensor("Y")]),
+        "b": model("b", [tensor("X")], [tensor("Y"), tensor("AGAIN", BOOL, (1,))]),
+    }
+    config = ModelConfig(
+        name="pipe",
+        platform="ensemble",
+        input=(tensor("IN"),),
+        output=(tensor("OUT"),),
+        ensemble_scheduling=EnsembleScheduling(
+            step=(
+                step("a", {"X": "IN", "F": "OUT"}, {"Y": "mid"}),
+                step("b", {"X": "mid"}, {"Y": "OUT", "AGAIN": "again"}),
+            )
+        ),
+        parameters={"loop.l": '{"steps": [0, 1], "while": "again", "max_iterations": 3}'},
+    )
+    assert validate_repository({**models, "pipe": config}) == [
+        "ensemble 'pipe': ensemble output 'OUT' is not reachable from the ensemble inputs "
+        "(steps of loop 'l' wait on each other: step[0] -> step[1] -> step[0]; an iteration "
+        "feeds the next through the loop's 'next')"
+    ]
