@@ -108,6 +108,18 @@ def pipeline(
     )
 
 
+def in_out(steps: list[EnsembleStep], parameters: dict[str, str] | None = None) -> ModelConfig:
+    """An ensemble 'pipe' of FP32 [4] input IN and output OUT."""
+    return ModelConfig(
+        name="pipe",
+        platform="ensemble",
+        input=(tensor("IN"),),
+        output=(tensor("OUT"),),
+        ensemble_scheduling=EnsembleScheduling(step=tuple(steps)),
+        parameters=parameters or {},
+    )
+
+
 def errors_of(parameters: dict[str, str], **models: ModelConfig) -> list[str]:
     return validate_repository({**MODELS, **models, "pipe": pipeline(parameters)})
 
@@ -337,17 +349,11 @@ def test_a_cycle_without_a_loop_declaration_names_its_steps() -> None:
         "a": model("a", [tensor("X"), tensor("B")], [tensor("Y")]),
         "b": model("b", [tensor("X")], [tensor("Y"), tensor("Z")]),
     }
-    config = ModelConfig(
-        name="pipe",
-        platform="ensemble",
-        input=(tensor("IN"),),
-        output=(tensor("OUT"),),
-        ensemble_scheduling=EnsembleScheduling(
-            step=(
-                step("a", {"X": "IN", "B": "back"}, {"Y": "forth"}),
-                step("b", {"X": "forth"}, {"Y": "back", "Z": "OUT"}),
-            )
-        ),
+    config = in_out(
+        [
+            step("a", {"X": "IN", "B": "back"}, {"Y": "forth"}),
+            step("b", {"X": "forth"}, {"Y": "back", "Z": "OUT"}),
+        ]
     )
     (error,) = validate_repository({**models, "pipe": config})
     assert error == (
@@ -575,19 +581,13 @@ def test_join_alternatives_agree_in_shape_and_carry_no_default() -> None:
     }
 
     def config(parameters: dict[str, str]) -> ModelConfig:
-        return ModelConfig(
-            name="pipe",
-            platform="ensemble",
-            input=(tensor("IN"),),
-            output=(tensor("OUT"),),
-            ensemble_scheduling=EnsembleScheduling(
-                step=(
-                    step("left", {"X": "IN"}, {"Y": "a"}),
-                    step("right", {"X": "IN"}, {"Y": "b"}),
-                    step("finish", {"X": "j"}, {"Y": "OUT"}),
-                )
-            ),
-            parameters={"any.j": "a, b", **parameters},
+        return in_out(
+            [
+                step("left", {"X": "IN"}, {"Y": "a"}),
+                step("right", {"X": "IN"}, {"Y": "b"}),
+                step("finish", {"X": "j"}, {"Y": "OUT"}),
+            ],
+            {"any.j": "a, b", **parameters},
         )
 
     (error,) = validate_repository({**models, "pipe": config({})})
@@ -613,19 +613,13 @@ def test_a_step_between_two_steps_of_a_loop_must_be_in_it() -> None:
         "b": model("b", [tensor("X")], [tensor("Y")]),
         "c": model("c", [tensor("X")], [tensor("Y"), tensor("AGAIN", BOOL, (1,))]),
     }
-    config = ModelConfig(
-        name="pipe",
-        platform="ensemble",
-        input=(tensor("IN"),),
-        output=(tensor("OUT"),),
-        ensemble_scheduling=EnsembleScheduling(
-            step=(
-                step("a", {"X": "IN"}, {"Y": "mid"}),
-                step("b", {"X": "mid"}, {"Y": "mid2"}),
-                step("c", {"X": "mid2"}, {"Y": "OUT", "AGAIN": "again"}),
-            )
-        ),
-        parameters={
+    config = in_out(
+        [
+            step("a", {"X": "IN"}, {"Y": "mid"}),
+            step("b", {"X": "mid"}, {"Y": "mid2"}),
+            step("c", {"X": "mid2"}, {"Y": "OUT", "AGAIN": "again"}),
+        ],
+        {
             "loop.l": '{"steps": [0, 2], "while": "again", "max_iterations": 3, '
             '"next": {"OUT": "IN"}}'
         },
@@ -644,18 +638,12 @@ def test_steps_of_a_loop_that_wait_on_each_other_are_told_about_next() -> None:
         "a": model("a", [tensor("X"), tensor("F")], [tensor("Y")]),
         "b": model("b", [tensor("X")], [tensor("Y"), tensor("AGAIN", BOOL, (1,))]),
     }
-    config = ModelConfig(
-        name="pipe",
-        platform="ensemble",
-        input=(tensor("IN"),),
-        output=(tensor("OUT"),),
-        ensemble_scheduling=EnsembleScheduling(
-            step=(
-                step("a", {"X": "IN", "F": "OUT"}, {"Y": "mid"}),
-                step("b", {"X": "mid"}, {"Y": "OUT", "AGAIN": "again"}),
-            )
-        ),
-        parameters={"loop.l": '{"steps": [0, 1], "while": "again", "max_iterations": 3}'},
+    config = in_out(
+        [
+            step("a", {"X": "IN", "F": "OUT"}, {"Y": "mid"}),
+            step("b", {"X": "mid"}, {"Y": "OUT", "AGAIN": "again"}),
+        ],
+        {"loop.l": '{"steps": [0, 1], "while": "again", "max_iterations": 3}'},
     )
     assert validate_repository({**models, "pipe": config}) == [
         "ensemble 'pipe': ensemble output 'OUT' is not reachable from the ensemble inputs "
