@@ -212,3 +212,40 @@ async def test_concurrent_streams_respect_max_inflight_requests(limit: int) -> N
         assert peak <= limit
     else:
         assert peak > 4  # unbounded: the 8 instances overlap the 16 streams
+
+
+async def test_constants_and_step_parameters_in_a_streaming_ensemble() -> None:
+    """A streaming ensemble takes constants and step parameters (not conditions, joins,
+    loops or maps): each iteration's step gets the constant and the step's parameters."""
+    seen: list[dict[str, Any]] = []
+
+    def scale(X: Any, W: Any, request: orchestrion.InferRequest) -> dict[str, Any]:
+        seen.append(dict(request.parameters))
+        return {"Y": X * W}
+
+    models = [
+        decoupled("rep", repeat),
+        model(
+            "scale",
+            scale,
+            [tensor("X", dims=ONE), tensor("W", dims=ONE)],
+            [tensor("Y", dims=ONE)],
+            jit=False,
+        ),
+        ensemble(
+            "pipe",
+            [tensor("IN", dims=ONE)],
+            [tensor("OUT", dims=ONE)],
+            [
+                step("rep", {"X": "IN"}, {"Y": "mid"}),
+                step("scale", {"X": "mid", "W": "w"}, {"Y": "OUT"}),
+            ],
+            parameters={
+                "constant.w": '{"data_type": "TYPE_FP32", "dims": [1], "value": [10]}',
+                "step[1].parameters": '{"mode": "stream"}',
+            },
+        ),
+    ]
+    async with orchestrion.open_server(models=models) as server:
+        assert await collect(server, "pipe", 2) == [20.0, 20.0]
+    assert seen == [{"mode": "stream"}, {"mode": "stream"}]
