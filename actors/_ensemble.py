@@ -108,20 +108,24 @@ class EnsembleRunner:
                 "and no value was read from it (give 'value' to an ensemble made in Python, "
                 "or pass Model(constants=...))"
             )
-        self._constants = {
+        values = {
             name: self.files[name] if d.value is None else d.value
-            for name, d in control.constants.items()
+            for declared in (control.constants, control.defaults)
+            for name, d in declared.items()
         }
+        self._constants = {name: values[name] for name in control.constants}
         self.checker = TensorChecker(self.config)
         self.output_names = frozenset(self.graph.outputs)
         self._reshaped_inputs = tuple(t for t in self.config.input if t.reshape is not None)
         self.stats = StatsRecorder(self.config.name, self.version)
         self._plans = Plans(self.config.name, self.graph)
-        self._scheduler = Scheduler(self.config, self.graph, self.router, self.observer)
-        if self._scheduler.flow is not None:
-            self._scheduler.flow.with_defaults(
-                {n: self.files[n] for n, d in control.defaults.items() if d.value is None}
-            )
+        self._scheduler = Scheduler(
+            self.config,
+            self.graph,
+            self.router,
+            self.observer,
+            defaults={name: values[name] for name in control.defaults},
+        )
         self._idle.set()
         everything = self._plans.plan(frozenset(self.graph.outputs))
         order = tuple(self.graph.steps[i] for i in self._plans.order(everything))

@@ -51,28 +51,19 @@ class Flow:
     """An ensemble's declared control flow, as the scheduler applies it to each run."""
 
     graph: EnsembleGraph
+    defaults: Mapping[str, np.ndarray]
+    """The value of each ``default.T`` (inline or read from its file)."""
     loop_of: dict[int, EnsembleLoop] = attrs.field(init=False)
     again: dict[int, int] = attrs.field(init=False)
     """For each step of a loop: how many tensors it waits for that the loop's steps make
     (what it counts down in the iterations after the first)."""
-    defaults: Mapping[str, np.ndarray] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        control = self.graph.control
-        self.loop_of = {i: loop for loop in control.loops for i in loop.steps}
+        self.loop_of = {i: loop for loop in self.graph.control.loops for i in loop.steps}
         self.again = {}
         for index, loop in self.loop_of.items():
             made = {t for i in loop.steps for _, t in self.graph.steps[i].outputs}
             self.again[index] = len(set(self.graph.steps[index].waits) & made)
-        self.defaults = {
-            name: declared.value
-            for name, declared in control.defaults.items()
-            if declared.value is not None
-        }
-
-    def with_defaults(self, defaults: Mapping[str, np.ndarray]) -> None:
-        """Add the defaults whose values were read from files."""
-        self.defaults = {**defaults, **self.defaults}
 
     # -- skipping --------------------------------------------------------------------------
 
@@ -111,12 +102,7 @@ class Flow:
     def arrived(self, run: Run, tensor: str, ready: list[int]) -> None:
         """``tensor`` is final in ``run`` (present, left out or skipped): count it down for
         the steps that wait for it, and decide the joins it is an alternative of."""
-        missing = run.missing
-        for consumer in self.graph.consumers.get(tensor, ()):
-            if consumer in missing:
-                missing[consumer] -= 1
-                if missing[consumer] == 0:
-                    ready.append(consumer)
+        _count_down(run.missing, self.graph.consumers.get(tensor, ()), ready)
         for joined in self.graph.joins.get(tensor, ()):
             self._join(run, joined, tensor, ready)
 
@@ -161,14 +147,9 @@ class Flow:
             self._again(run, loop, ready)
             return
         state.left.pop(loop.name, None)
-        missing = run.missing
         for i in sorted(loop.steps):  # the loop is over: its tensors reach the steps after it
             for _, tensor in self.graph.steps[i].outputs:
-                for consumer in self.graph.deferred.get(tensor, ()):
-                    if consumer in missing:
-                        missing[consumer] -= 1
-                        if missing[consumer] == 0:
-                            ready.append(consumer)
+                _count_down(run.missing, self.graph.deferred.get(tensor, ()), ready)
 
     def _again(self, run: Run, loop: EnsembleLoop, ready: list[int]) -> None:
         """Start the next iteration of ``loop`` in ``run``."""
@@ -188,6 +169,16 @@ class Flow:
             run.missing[i] = self.again[i]
             if self.again[i] == 0:
                 ready.append(i)
+
+
+def _count_down(missing: dict[int, int], consumers: tuple[int, ...], ready: list[int]) -> None:
+    """One more tensor arrived for each of ``consumers`` still waiting; those with none left
+    are ready."""
+    for consumer in consumers:
+        if consumer in missing:
+            missing[consumer] -= 1
+            if missing[consumer] == 0:
+                ready.append(consumer)
 
 
 def with_step_parameters(request: InferRequest, control: StepControl) -> InferRequest:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 
 import attrs
 import numpy as np
@@ -68,6 +69,8 @@ class Scheduler:
     router: Router
     observer: Observer | None
     """Receives step events; None when nobody listens (the hot path skips the calls)."""
+    defaults: Mapping[str, np.ndarray] = attrs.field(factory=dict)
+    """The value of each ``default.T`` the ensemble declares (inline or read from a file)."""
     steps: list[Step] = attrs.field(init=False)
     limited: bool = attrs.field(init=False, default=False)
     """The ensemble has a max_inflight_requests."""
@@ -105,7 +108,7 @@ class Scheduler:
         self.in_task = [c is not None and c.needs_task for c in self.controls]
         self.in_loop = [control.loop_of(plan.index) is not None for plan in self.graph.steps]
         if control.flows:
-            self.flow = Flow(self.graph)
+            self.flow = Flow(self.graph, self.defaults)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -239,9 +242,10 @@ class Scheduler:
                 continue
             step = self.steps[index]
             plan = step.plan
-            if run.flow is not None and self.flow is not None and self.flow.skips(run, index):
+            flow = self.flow
+            if flow is not None and flow.skips(run, index):
                 step.skipped += 1
-                self.flow.skip(run, index, ready)
+                flow.skip(run, index, ready)
                 continue
             if step.queued == 0 and not self.in_task[index] and self._take_slot(step):
                 request = self._step_request(step, run)

@@ -64,14 +64,20 @@ class EnsembleGraph:
     )
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> EnsembleGraph:
-        """The graph of an ensemble config (which should have passed `validate_ensemble`)."""
+    def from_config(
+        cls, config: ModelConfig, control: EnsembleControl | None = None
+    ) -> EnsembleGraph:
+        """The graph of an ensemble config (which should have passed `validate_ensemble`);
+        ``control``: its declarations, when already read (`read_control`)."""
         assert config.ensemble_scheduling is not None
-        control, _ = read_control(config)  # its mistakes are reported by validate_ensemble
+        if control is None:
+            control, _ = read_control(config)  # its mistakes: validate_ensemble reports them
 
         def waits(index: int, inputs: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
-            when = getattr(control.step(index), "when", None)
-            tensors = [t for _, t in inputs] + ([when] if when else [])
+            own = control.step(index)
+            tensors = [t for _, t in inputs]
+            if own is not None and own.when is not None:
+                tensors.append(own.when)
             return tuple(dict.fromkeys(tensors))
 
         steps = tuple(

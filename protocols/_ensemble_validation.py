@@ -110,7 +110,7 @@ def validate_ensemble(
     control, problems = read_control(config)
     if problems:  # the wiring checks need the declarations: a mistake there comes first
         return errors + problems
-    graph = EnsembleGraph.from_config(config)
+    graph = EnsembleGraph.from_config(config, control)
     tensors = _ensemble_input_tensors(config)
     errors.extend(_constant_errors(config, control, tensors))
     errors.extend(_unknown_model_errors(config, graph, models))
