@@ -569,7 +569,10 @@ class HttpServer:
         self, stream: trio.SocketStream, connection: h11.Connection, scope: trio.CancelScope
     ) -> None:
         while True:
-            data = await stream.receive_some(_READ_SIZE)
+            try:
+                data = await stream.receive_some(_READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""  # reset by the client: gone as much as one that closed
             connection.receive_data(data)  # a pipelined request waits in h11's buffer
             if not data:
                 scope.cancel()

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import http.client
 import socket
+import struct
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,41 @@ async def test_http_client_disconnect_cancels_the_work() -> None:
         await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
         stats = server.model_statistics("sleepy")[0]
         assert stats.failures_by_reason.get("CANCELED") == 1
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+async def test_http_client_reset_mid_request_cancels_the_work_and_the_server_serves_on(
+    frontend: str,
+) -> None:
+    """A client that resets its connection (RST: SO_LINGER 0) while its request runs frees
+    the model, and the server answers the next client (a reset once ended the Python front
+    end's whole server)."""
+    async with front_ends(frontend=frontend) as (server, http_address, _):
+        host, port = http_address.rsplit(":", 1)
+        body = b'{"inputs":[{"name":"DELAY","datatype":"FP32","shape":[1],"data":[60.0]}]}'
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        await wait_until(lambda: _pending(server, "sleepy") == 1)
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+        await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
+        assert server.model_statistics("sleepy")[0].failures_by_reason.get("CANCELED") == 1
+        answer = await trio.to_thread.run_sync(_get, http_address, "/v2/health/live")
+        assert answer == 200
+
+
+def _get(address: str, path: str) -> int:
+    connection = http.client.HTTPConnection(address, timeout=10)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
 
 
 async def test_grpc_client_deadline_cancels_the_work() -> None:
