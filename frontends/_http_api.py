@@ -48,6 +48,7 @@ from ..protocols import (
     server_metadata,
 )
 from ._control import DEFAULT_EXIT_TIMEOUT, ModelControl, Shutdown
+from ._http_generate import Generate
 from ._http_server import (
     DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT,
@@ -56,6 +57,7 @@ from ._http_server import (
     Headers,
     HttpRequest,
     HttpServer,
+    StreamedAnswer,
     default_max_connections,
 )
 from ._logging import logging_extension
@@ -72,7 +74,7 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 
 _MODEL_ROUTE = re.compile(
     r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-    r"(?:/(?P<action>ready|config|stats|infer))?/?$"
+    r"(?:/(?P<action>ready|config|stats|infer|generate|generate_stream))?/?$"
 )
 _SHARED_MEMORY_ROUTE = re.compile(
     r"^/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<region>[^/]+))?"
@@ -107,12 +109,15 @@ class HttpApi:
     name: str = attrs.field(default="orchestrion", kw_only=True)
     """The server's name in its metadata (``--id``)."""
     _wire: WireInfer = attrs.field(init=False)
+    _generate: Generate = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._wire = WireInfer(self.server, self.shared_memory)
+        self._generate = Generate(self.server, self._wire, self.max_input_size)
 
-    async def handle(self, request: HttpRequest) -> Answer:
-        """Answer one request; every error becomes Triton's JSON error body."""
+    async def handle(self, request: HttpRequest) -> Answer | StreamedAnswer:
+        """Answer one request; every error becomes Triton's JSON error body (a streamed
+        answer reports its later errors in its own body)."""
         refusal = self.restrictions.refusal(_category(request.path), _header_of(request))
         if refusal is not None:
             return 403, _JSON, [json.dumps({"error": refusal}).encode()]
@@ -127,7 +132,7 @@ class HttpApi:
         """The answer for a request the HTTP server refuses (malformed, too large)."""
         return status, _JSON, [error_body(InvalidRequestError(message))]
 
-    async def _route(self, request: HttpRequest) -> Answer:
+    async def _route(self, request: HttpRequest) -> Answer | StreamedAnswer:
         path, method = request.path, request.method
         if path.startswith("/v2/models/"):
             if path.rstrip("/") == "/v2/models/stats":
@@ -190,12 +195,18 @@ class HttpApi:
         memory.register(region, document["key"], document.get("offset", 0), document["byte_size"])
         return 200, _JSON, [b"{}"]
 
-    async def _model(self, match: re.Match[str], request: HttpRequest) -> Answer:
+    async def _model(self, match: re.Match[str], request: HttpRequest) -> Answer | StreamedAnswer:
         name, action = match["model"], match["action"]
         version = parse_version(match["version"] or "")
         if action == "infer":
             _expect(request.method, "POST")
             return await self._infer(name, match["version"] or "", request)
+        if action in ("generate", "generate_stream"):
+            _expect(request.method, "POST")
+            streaming = action == "generate_stream"
+            return await self._generate.answer(
+                name, match["version"] or "", request, streaming=streaming
+            )
         _expect(request.method, "GET")
         if action == "ready":
             return (200 if await self.server.model_ready(name, version) else 400), [], []
@@ -213,7 +224,8 @@ class HttpApi:
         if self.server.is_decoupled(name):
             raise InvalidRequestError(
                 f"model '{name}' is decoupled (zero or many responses per request): HTTP infer "
-                "gives one response; use gRPC ModelStreamInfer"
+                "gives one response; use POST /v2/models/{name}/generate_stream (server-sent "
+                "events) or gRPC ModelStreamInfer"
             )
         headers = request.headers
         # A compressed body inflates to up to --http-max-input-size: count it larger.
@@ -345,6 +357,8 @@ def _category(path: str) -> str:
     action = match["action"] if match is not None else None
     return {
         "infer": "inference",
+        "generate": "inference",
+        "generate_stream": "inference",
         "ready": "health",
         "config": "model-config",
         "stats": "statistics",

@@ -43,7 +43,7 @@ import http
 import logging
 import math
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -116,7 +116,19 @@ class HttpRequest:
     body: bytes | bytearray
 
 
-Handler = Callable[[HttpRequest], Awaitable[Answer]]
+@attrs.frozen
+class StreamedAnswer:
+    """An answer whose body goes out in parts as they are made (server-sent events), with
+    no length: chunked on HTTP/1.1. The transport that takes it owns ``parts``: it sends
+    each part before it asks for the next (a client that reads slowly holds the producer
+    back), and closes them when the answer ends or the client goes away."""
+
+    status: int
+    headers: Headers
+    parts: AsyncGenerator[bytes, None]
+
+
+Handler = Callable[[HttpRequest], Awaitable[Answer | StreamedAnswer]]
 
 
 class BodyTooLarge(Exception):
@@ -402,7 +414,11 @@ class HttpServer:
             smuggling = b"transfer-encoding" in request.headers and (
                 b"content-length" in request.headers
             )
-            await self._send(stream, connection, request, answer, close=smuggling)
+            if isinstance(answer, StreamedAnswer):
+                if smuggling:
+                    return
+            else:
+                await self._send(stream, connection, request, answer, close=smuggling)
             if connection.our_state is h11.MUST_CLOSE or self._stopping or smuggling:
                 return
             try:
@@ -554,16 +570,48 @@ class HttpServer:
 
     async def _handle(
         self, stream: trio.SocketStream, connection: h11.Connection, request: HttpRequest
-    ) -> Answer | None:
+    ) -> Answer | StreamedAnswer | None:
+        """The answer to ``request`` (a streamed one sent already), or None: the client went
+        away."""
         if request.method in ("GET", "HEAD"):
-            return await self.handler(request)
+            answer = await self.handler(request)
+            if isinstance(answer, StreamedAnswer):
+                await self._send_streamed(stream, connection, request, answer)
+            return answer
         # A POST may run long: watch the socket, and cancel the work if the client leaves.
-        answer: Answer | None = None
+        result: Answer | StreamedAnswer | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, stream, connection, nursery.cancel_scope)
-            answer = await self.handler(request)
+            result = await self.handler(request)
+            if isinstance(result, StreamedAnswer):
+                try:
+                    await self._send_streamed(stream, connection, request, result)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    result = None  # the client went away mid-answer
             nursery.cancel_scope.cancel()
-        return answer if not self._gone(connection) else None
+        return result if not self._gone(connection) else None
+
+    async def _send_streamed(
+        self,
+        stream: trio.SocketStream,
+        connection: h11.Connection,
+        request: HttpRequest,
+        answer: StreamedAnswer,
+    ) -> None:
+        """Send ``answer``'s head, then each part as it comes (no length: h11 chunks it for
+        an HTTP/1.1 client, and closes after it for an HTTP/1.0 one)."""
+        async with contextlib.aclosing(answer.parts) as parts:
+            headers = list(answer.headers)
+            if self._stopping:
+                headers.append((b"connection", b"close"))
+            reason = _REASONS.get(answer.status, b"")
+            head = h11.Response(status_code=answer.status, headers=headers, reason=reason)
+            await stream.send_all(connection.send(head) or b"")
+            if request.method != "HEAD":
+                async for part in parts:
+                    if part:
+                        await stream.send_all(connection.send(h11.Data(data=part)) or b"")
+            await stream.send_all(connection.send(h11.EndOfMessage()) or b"")
 
     async def _watch(
         self, stream: trio.SocketStream, connection: h11.Connection, scope: trio.CancelScope

@@ -17,6 +17,7 @@ serve --frontend python`` and a missing build use `_http_server` and `_grpc_serv
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import urllib.parse
@@ -33,7 +34,7 @@ from ._grpc_handlers import Method, methods
 from ._grpc_service import InferenceService, status_on_error
 from ._grpc_streams import END, Stream
 from ._http_api import HttpApi
-from ._http_server import HttpRequest, _Episode
+from ._http_server import HttpRequest, StreamedAnswer, _Episode
 from ._native_cache import CacheTier, open_cache_tier
 
 _log = logging.getLogger("orchestrion.native")
@@ -44,6 +45,9 @@ try:  # the optional native build (package orchestrion-native)
 except ImportError:  # pragma: no cover - depends on the installation
     _native = None
 
+HTTP_STREAM_CREDITS = 4
+"""Parts of a streamed HTTP answer handed to the front end and not yet taken by its
+connection: what a slow reader lets the producer run ahead (beyond the socket's buffers)."""
 _CLOSE_TIMEOUT = 1.0
 """Seconds the front end's connections get to send what was answered, once stopped."""
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -121,6 +125,8 @@ class _Dispatcher:
     _scopes: dict[int, trio.CancelScope] = attrs.field(factory=dict)
     """The task of each request or stream in flight, by id."""
     _streams: dict[int, _NativeStream] = attrs.field(factory=dict)
+    _http_credits: dict[int, trio.Semaphore] = attrs.field(factory=dict)
+    """The credits of each streamed HTTP answer being sent, by request id."""
     _idle: trio.Event = attrs.field(factory=trio.Event)
     _troubles: dict[int, _Episode] = attrs.field(factory=_troubles)
 
@@ -197,11 +203,32 @@ class _Dispatcher:
             headers=dict(headers),
             body=await _bytes(body),
         )
-        status, answer_headers, chunks = await self.http.handle(request)
+        answer = await self.http.handle(request)
+        if isinstance(answer, StreamedAnswer):
+            await self._stream_http(id_, answer)
+            return
+        status, answer_headers, chunks = answer
         cache = None
         if self.tier is not None and status == 200:
             cache = self.tier.storing(generation)
         await _handed_back(self.frontend.respond, id_, status, answer_headers, chunks, cache)
+
+    async def _stream_http(self, id_: int, answer: StreamedAnswer) -> None:
+        """Send a streamed answer's parts as they come, at most `HTTP_STREAM_CREDITS` ahead
+        of what the connection has taken (each part taken returns a credit)."""
+        frontend = self.frontend
+        credits = self._http_credits[id_] = trio.Semaphore(HTTP_STREAM_CREDITS)
+        try:
+            async with contextlib.aclosing(answer.parts) as parts:
+                if not frontend.respond_stream(id_, answer.status, answer.headers):
+                    return  # the client has gone
+                async for part in parts:
+                    await credits.acquire()
+                    if not frontend.stream_send(id_, part):
+                        return
+            frontend.stream_close(id_, 0, "")
+        finally:
+            del self._http_credits[id_]
 
     # gRPC, unary
 
@@ -270,6 +297,10 @@ class _Dispatcher:
         stream = self._streams.get(event[1])
         if stream is not None:
             stream.stream.credit.release()
+            return
+        credits = self._http_credits.get(event[1])
+        if credits is not None:
+            credits.release()
 
     def stop_streams(self) -> None:
         """A graceful stop of every open stream (see `InferenceService.stop_streams`)."""

@@ -76,6 +76,8 @@ from ._errors import UnsupportedError as UnsupportedError
 from ._errors import leaf_errors as leaf_errors
 from ._errors import os_error_in as os_error_in
 from ._errors import ungrouped as ungrouped
+from ._generate import decode_generate_request as decode_generate_request
+from ._generate import generate_response as generate_response
 from ._json_objects import load_json_object as load_json_object
 from ._kserve_documents import model_config_json as model_config_json
 from ._kserve_documents import model_metadata as model_metadata

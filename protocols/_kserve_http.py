@@ -322,7 +322,7 @@ def encode_http_response(
             entry["data"] = f"{nonce}{len(large)}"  # unguessable: no client string can match
             large.append(_json_data_blocks(array, dtype, name))
         else:
-            entry["data"] = _json_data(array, dtype, name)
+            entry["data"] = json_data(array, dtype, name)
         outputs.append(entry)
     document: dict[str, Any] = {
         "model_name": response.model_name,
@@ -354,7 +354,7 @@ def _json_data_blocks(array: np.ndarray[Any, Any], dtype: DataType, name: str) -
     pieces = [b"["]
     for at in range(0, flat.size, _JSON_BLOCK):
         text = json.dumps(
-            _json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":")
+            json_data(flat[at : at + _JSON_BLOCK], dtype, name), separators=(",", ":")
         )
         if len(text) > 2:
             pieces.append(text[1:-1].encode() if len(pieces) == 1 else ("," + text[1:-1]).encode())
@@ -362,7 +362,12 @@ def _json_data_blocks(array: np.ndarray[Any, Any], dtype: DataType, name: str) -
     return pieces
 
 
-def _json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[Any]:
+def json_data(array: np.ndarray[Any, Any], dtype: DataType, name: str) -> list[Any]:
+    """An output's elements as JSON values, flat (BYTES as UTF-8 text).
+
+    Raises:
+        InvalidRequestError: FP16 or BF16, or bytes that are not UTF-8 (binary data only).
+    """
     if dtype in JSON_NUMBERS:
         raise InvalidRequestError(
             f"output '{name}' is {dtype.value}, which JSON cannot carry: request it as binary data"

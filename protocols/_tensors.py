@@ -154,9 +154,25 @@ def check_inputs(  # noqa: C901 (per request: see docs/architecture.md)
         out[tensor.name] = array
     if len(batch_sizes) > 1:
         problems.append(f"inputs disagree on the batch size: {sorted(batch_sizes)}")
+    if any(not t.optional and inputs.get(t.name) is None for t in config.input):
+        problems.append(_input_count_problem(config, inputs, model or config.name))
     if problems:
         raise InvalidRequestError(f"{label}: " + "; ".join(problems))
     return out
+
+
+def _input_count_problem(config: ModelConfig, inputs: Mapping[str, Any], model: str) -> str:
+    """Triton's words for a request without all its required inputs (its clients and QA
+    match them)."""
+    required = sum(1 for t in config.input if not t.optional)
+    total = len(config.input)
+    wanted = (
+        f"{required} inputs"
+        if required == total
+        else f"number of inputs between {required} and {total}"
+    )
+    given = sum(1 for value in inputs.values() if value is not None)
+    return f"expected {wanted} but got {given} inputs for model '{model}'"
 
 
 COSTLY_ELEMENTS = 1 << 16

@@ -5,18 +5,104 @@
 //! a stall timeout and a whole deadline that grows with what arrived, as the Python server
 //! does), registers the request in the hub, pushes it, and waits for the answer. Everything
 //! about routes, checks and error texts lives once, in Python.
+//!
+//! An answer comes whole, or streamed (server-sent events): then its body (`AnswerBody`)
+//! takes the parts the trio thread sends as hyper asks for them, and each part taken pushes a
+//! `Credit`, so that Python, which sends only while it holds credits, is held back by a
+//! client that reads slowly. The body owns the request's `InFlight`: a client that goes away
+//! mid-stream drops it, which cancels the work.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http_body_util::{BodyExt, Full};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::{timeout_at, Instant};
 
-use crate::hub::{Event, HttpReply, Hub, Pending, Trouble};
+use crate::hub::{Event, HttpReply, Hub, InFlight, Pending, ReplyBody, StreamItem, Trouble};
+
+/// The body of an HTTP answer: whole, or the parts of a streamed one.
+pub enum AnswerBody {
+    Whole(Option<Bytes>),
+    Streamed {
+        hub: Arc<Hub>,
+        id: u64,
+        parts: mpsc::UnboundedReceiver<StreamItem>,
+        done: bool,
+        _flight: InFlight,
+    },
+}
+
+impl AnswerBody {
+    fn whole(body: Bytes) -> Self {
+        AnswerBody::Whole(Some(body))
+    }
+}
+
+impl Body for AnswerBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match &mut *self {
+            AnswerBody::Whole(body) => Poll::Ready(body.take().map(|b| Ok(Frame::data(b)))),
+            AnswerBody::Streamed {
+                hub,
+                id,
+                parts,
+                done,
+                ..
+            } => {
+                if *done {
+                    return Poll::Ready(None);
+                }
+                match parts.poll_recv(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Some(StreamItem::Message(part))) => {
+                        hub.push(Event::Credit { id: *id });
+                        Poll::Ready(Some(Ok(Frame::data(part))))
+                    }
+                    Poll::Ready(Some(StreamItem::End { .. })) => {
+                        *done = true;
+                        Poll::Ready(None)
+                    }
+                    Poll::Ready(None) => {
+                        // The server stopped mid-answer: cut the connection, so that the
+                        // client does not take what it got for the whole answer.
+                        *done = true;
+                        Poll::Ready(Some(Err(std::io::Error::other(
+                            "the server stopped in the middle of a streamed answer",
+                        ))))
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            AnswerBody::Whole(body) => body.is_none(),
+            AnswerBody::Streamed { done, .. } => *done,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            AnswerBody::Whole(Some(body)) => SizeHint::with_exact(body.len() as u64),
+            AnswerBody::Whole(None) => SizeHint::with_exact(0),
+            AnswerBody::Streamed { .. } => SizeHint::default(),
+        }
+    }
+}
 
 /// The limits of one listener, from `orchestrion serve`'s flags.
 #[derive(Clone, Copy, Debug)]
@@ -45,14 +131,14 @@ pub fn json_error(message: &str) -> Bytes {
     Bytes::from(out)
 }
 
-fn refusal(status: u16, message: &str, close: bool) -> Response<Full<Bytes>> {
+fn refusal(status: u16, message: &str, close: bool) -> Response<AnswerBody> {
     let mut response = Response::builder()
         .status(status)
         .header("content-type", "application/json");
     if close {
         response = response.header("connection", "close");
     }
-    response.body(Full::new(json_error(message))).unwrap()
+    response.body(AnswerBody::whole(json_error(message))).unwrap()
 }
 
 fn too_large(size: usize, limit: usize) -> String {
@@ -133,7 +219,7 @@ pub async fn serve_request(
     hub: Arc<Hub>,
     limits: HttpLimits,
     request: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+) -> Result<Response<AnswerBody>, std::convert::Infallible> {
     let arrived = std::time::Instant::now();
     let (parts, body) = request.into_parts();
     let declared = parts
@@ -166,7 +252,8 @@ pub async fn serve_request(
         .http_key(parts.method.as_str(), &target, &parts.headers, &body);
     if let Some(key) = &key {
         if let Some(stored) = hub.tier.lookup(key, arrived) {
-            return Ok(answer(stored.status, &stored.headers, stored.body.clone()));
+            let body = AnswerBody::whole(stored.body.clone());
+            return Ok(answer(stored.status, &stored.headers, body));
         }
     }
     let (send, receive) = oneshot::channel();
@@ -184,18 +271,28 @@ pub async fn serve_request(
         Err(_) => HttpReply {
             status: 503,
             headers: vec![(b"content-type".to_vec(), b"application/json".to_vec())],
-            body: json_error("the server is shutting down"),
+            body: ReplyBody::Whole(json_error("the server is shutting down")),
         },
     };
-    Ok(answer(reply.status, &reply.headers, reply.body))
+    let body = match reply.body {
+        ReplyBody::Whole(body) => AnswerBody::whole(body),
+        ReplyBody::Streamed(parts) => AnswerBody::Streamed {
+            hub: hub.clone(),
+            id: flight.id,
+            parts,
+            done: false,
+            _flight: flight,
+        },
+    };
+    Ok(answer(reply.status, &reply.headers, body))
 }
 
-fn answer(status: u16, headers: &[(Vec<u8>, Vec<u8>)], body: Bytes) -> Response<Full<Bytes>> {
+fn answer(status: u16, headers: &[(Vec<u8>, Vec<u8>)], body: AnswerBody) -> Response<AnswerBody> {
     let mut response = Response::builder().status(status);
     for (name, value) in headers {
         response = response.header(name.as_slice(), value.as_slice());
     }
     response
-        .body(Full::new(body))
+        .body(body)
         .unwrap_or_else(|_| refusal(500, "the answer had a malformed header", false))
 }

@@ -72,7 +72,14 @@ pub enum Trouble {
 pub struct HttpReply {
     pub status: u16,
     pub headers: Vec<(Vec<u8>, Vec<u8>)>,
-    pub body: Bytes,
+    pub body: ReplyBody,
+}
+
+/// An HTTP answer's body: whole, or streamed as the trio thread sends its parts (server-sent
+/// events: `Frontend::respond_stream`).
+pub enum ReplyBody {
+    Whole(Bytes),
+    Streamed(mpsc::UnboundedReceiver<StreamItem>),
 }
 
 /// A unary gRPC answer: a message (status OK) or a status with its message.
@@ -96,7 +103,7 @@ pub enum Pending {
     Stream(StreamWay),
 }
 
-/// An open stream, as the trio thread reaches it: where its responses go, and the permits
+/// An open stream (a gRPC stream, or a streamed HTTP answer), as the trio thread reaches it: where its responses go, and the permits
 /// of its reader (one per message handed over and not yet taken up by Python).
 pub struct StreamWay {
     pub responses: mpsc::UnboundedSender<StreamItem>,

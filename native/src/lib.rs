@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 use cache::Stored;
 use conn::{raw_answer, Busy, ConnectionLimits, Connections, Expiry};
-use hub::{Event, GrpcReply, HttpReply, Hub, Pending, StreamItem, Trouble};
+use hub::{Event, GrpcReply, HttpReply, Hub, Pending, ReplyBody, StreamItem, StreamWay, Trouble};
 
 /// The largest request line plus headers (larger: 431), as the Python front end.
 const MAX_HEAD_SIZE: usize = 64 * 1024;
@@ -377,13 +377,46 @@ impl Frontend {
                     send.send(HttpReply {
                         status,
                         headers,
-                        body,
+                        body: ReplyBody::Whole(body),
                     })
                     .is_ok()
                 }
                 _ => false,
             },
         )
+    }
+
+    /// Start a streamed answer to HTTP request ``id`` (chunked, or HTTP/2 DATA frames): its
+    /// status and headers now, its parts through `stream_send` (each taken by the
+    /// connection pushes a credit), its end through `stream_close`. False when the client
+    /// has gone.
+    fn respond_stream(&self, id: u64, status: u16, headers: Vec<(Vec<u8>, Vec<u8>)>) -> bool {
+        // One lock for the swap: the request's InFlight never finds the id missing between.
+        let mut pending = self.hub.pending.lock().unwrap();
+        if !matches!(pending.get(&id), Some(Pending::Http(..))) {
+            return false;
+        }
+        let Some(Pending::Http(send, _)) = pending.remove(&id) else {
+            return false;
+        };
+        let (parts, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let reading = Arc::new(tokio::sync::Semaphore::new(0));
+        let reply = HttpReply {
+            status,
+            headers,
+            body: ReplyBody::Streamed(receiver),
+        };
+        if send.send(reply).is_err() {
+            return false;
+        }
+        pending.insert(
+            id,
+            Pending::Stream(StreamWay {
+                responses: parts,
+                reading,
+            }),
+        );
+        true
     }
 
     /// Answer unary gRPC call ``id``: a serialized message (status OK), or a status code and
