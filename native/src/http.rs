@@ -138,7 +138,9 @@ fn refusal(status: u16, message: &str, close: bool) -> Response<AnswerBody> {
     if close {
         response = response.header("connection", "close");
     }
-    response.body(AnswerBody::whole(json_error(message))).unwrap()
+    response
+        .body(AnswerBody::whole(json_error(message)))
+        .unwrap()
 }
 
 fn too_large(size: usize, limit: usize) -> String {
