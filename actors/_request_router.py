@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -30,6 +30,7 @@ from opentelemetry.trace import Span
 from ..backends import host_tensors, response_on_host
 from ..caches import CacheActor, Flight
 from ..protocols import (
+    CacheEntry,
     InferRequest,
     InferResponse,
     InvalidRequestError,
@@ -40,15 +41,22 @@ from ..protocols import (
     Observer,
     OrchestrionError,
     cache_key,
+    frozen_outputs,
     load_override_from_files,
     shared_outputs,
     stored_outputs_problem,
+    stream_entry,
+    stream_responses,
 )
 from ..telemetry import UNSAMPLED, RequestTracing
 from ._batch_queue import batch_size
 from ._ensemble_fusion import fusable
 from ._executor import Executor
 from ._loaded_models import LoadedModels, Runner
+
+STREAM_ENTRY_LIMIT = 256 * 1024 * 1024
+"""Bytes of outputs a stream may have and still be stored whole (its copies are held until
+it ends): a longer stream is served, and not cached."""
 
 
 class ModelControlCalls(Protocol):
@@ -264,43 +272,9 @@ class RequestRouter:
         start, request, span = self._started(runner, request, from_ensemble)
         hit: bool | None = None
         try:
-            wanted = request.requested_outputs
-            if wanted is not None and wanted >= runner.output_names:
-                wanted = None  # everything: the same response as asking for nothing
-            key = cache_key(
-                runner.config.name,
-                runner.version,
-                host_tensors(request.inputs),  # a jitted step's outputs are on their device
-                wanted,
-                revision=self.models.revision(runner),
-            )
-            looking = time.perf_counter_ns()
-            flight = await cache.begin(key)
+            flight = await self._looked_up(cache, runner, request)
             try:
-                if flight.entry is not None and not flight.shared:
-                    problem = stored_outputs_problem(
-                        runner.config,
-                        flight.entry.outputs,
-                        batch_size(runner.config.max_batch_size, request.inputs),
-                        wanted,
-                    )
-                    if problem is not None:
-                        flight.reject(problem)
                 hit = flight.entry is not None
-                if self.tracing is not None:
-                    self.tracing.record(
-                        "cache_lookup",
-                        request,
-                        looking,
-                        looking + flight.lookup_ns,
-                        {"orchestrion.cache.hit": hit, "orchestrion.cache.shared": flight.shared},
-                    )
-                # A shared result's wait is the other request's model run, not a lookup.
-                runner.stats.cache_looked_up(hit, 0 if flight.shared else flight.lookup_ns)
-                if self.observer is not None:
-                    self.observer.cache_looked_up(
-                        runner.config.name, runner.version, request, hit, flight.lookup_ns
-                    )
                 if flight.entry is not None:
                     response = InferResponse(
                         model_name=runner.config.name,
@@ -318,6 +292,67 @@ class RequestRouter:
             raise
         self._finished(runner, request, start, None, span, hit)
         return response
+
+    async def _looked_up(self, cache: CacheActor, runner: Runner, request: InferRequest) -> Flight:
+        """``request``'s flight through the cache, its lookup counted and traced; an entry
+        that does not fit the request (a foreign one) is rejected: a miss."""
+        wanted = request.requested_outputs
+        if wanted is not None and wanted >= runner.output_names:
+            wanted = None  # everything: the same response as asking for nothing
+        key = cache_key(
+            runner.config.name,
+            runner.version,
+            host_tensors(request.inputs),  # a jitted step's outputs are on their device
+            wanted,
+            revision=self.models.revision(runner),
+        )
+        looking = time.perf_counter_ns()
+        flight = await cache.begin(key)
+        try:
+            if flight.entry is not None and not flight.shared:
+                problem = self._entry_problem(runner, request, flight.entry, wanted)
+                if problem is not None:
+                    flight.reject(problem)
+            hit = flight.entry is not None
+            if self.tracing is not None:
+                self.tracing.record(
+                    "cache_lookup",
+                    request,
+                    looking,
+                    looking + flight.lookup_ns,
+                    {"orchestrion.cache.hit": hit, "orchestrion.cache.shared": flight.shared},
+                )
+            # A shared result's wait is the other request's model run, not a lookup.
+            runner.stats.cache_looked_up(hit, 0 if flight.shared else flight.lookup_ns)
+            if self.observer is not None:
+                self.observer.cache_looked_up(
+                    runner.config.name, runner.version, request, hit, flight.lookup_ns
+                )
+        except BaseException:
+            flight.release()
+            raise
+        return flight
+
+    def _entry_problem(
+        self,
+        runner: Runner,
+        request: InferRequest,
+        entry: CacheEntry,
+        wanted: frozenset[str] | None,
+    ) -> str | None:
+        """Why a stored entry cannot answer ``request`` (None: it can): a stream's entry
+        must be one, and each of its responses must fit the config."""
+        batch = batch_size(runner.config.max_batch_size, request.inputs)
+        if not self.models.decoupled(runner.config.name):
+            return stored_outputs_problem(runner.config, entry.outputs, batch, wanted)
+        responses = stream_responses(entry, None)
+        if responses is None:
+            return "not the entry of a whole stream"
+        for outputs, _ in responses:
+            problem = stored_outputs_problem(runner.config, outputs, batch, wanted)
+            if problem is not None:
+                return problem
+        return None
 
     async def _run_for_cache(
         self, runner: Runner, request: InferRequest, flight: Flight
@@ -348,15 +383,70 @@ class RequestRouter:
             return
         start, request, span = self._started(runner, request, False)
         error: BaseException | None = None
+        hit: bool | None = None
         try:
-            async with contextlib.aclosing(runner.responses(request)) as responses:
-                async for response in responses:
-                    yield response
+            if self.cache is not None and caches(runner.config):
+                flight = await self._looked_up(self.cache, runner, request)
+                try:
+                    hit = flight.entry is not None
+                    async with contextlib.aclosing(
+                        self._cached_stream(runner, request, flight)
+                    ) as responses:
+                        async for response in responses:
+                            yield response
+                finally:
+                    flight.release()
+            else:
+                async with contextlib.aclosing(runner.responses(request)) as responses:
+                    async for response in responses:
+                        yield response
         except BaseException as exc:
             error = exc
             raise
         finally:
-            self._finished(runner, request, start, error, span)
+            self._finished(runner, request, start, error, span, hit)
+
+    async def _cached_stream(
+        self, runner: Runner, request: InferRequest, flight: Flight
+    ) -> AsyncGenerator[InferResponse, None]:
+        """A stream through the cache: a hit replays the stored responses in order with
+        their final flags; a miss runs the model, passes each response on as it comes, and
+        stores the whole stream once it has ended (a stream that fails, is left early or
+        outgrows `STREAM_ENTRY_LIMIT` is not stored)."""
+        if flight.entry is not None:
+            replayed = stream_responses(flight.entry, request.requested_outputs) or []
+            parameters = runner.response_parameters(request)
+            for outputs, final in replayed:
+                yield InferResponse(
+                    model_name=runner.config.name,
+                    model_version=runner.version,
+                    request_id=request.options.request_id,
+                    outputs=outputs,
+                    parameters=parameters,
+                    final=final,
+                )
+            return
+        kept: list[tuple[dict[str, Any], bool]] | None = []
+        wanted = request.requested_outputs
+        size = 0
+        async with contextlib.aclosing(runner.responses(request)) as responses:
+            async for response in responses:
+                response = response_on_host(response)
+                if kept is not None:
+                    outputs = frozen_outputs(
+                        {n: a for n, a in response.outputs.items() if wanted is None or n in wanted}
+                    )
+                    size += sum(int(array.nbytes) for array in outputs.values())
+                    kept = kept if size <= STREAM_ENTRY_LIMIT else None
+                    if kept is not None:
+                        kept.append((outputs, response.final))
+                yield response
+        if kept is not None:
+            storing = time.perf_counter_ns()
+            flight.store_entry(stream_entry(flight.key, kept))
+            runner.stats.cache_miss_ns += flight.insert_ns
+            if self.tracing is not None:
+                self.tracing.record("cache_insert", request, storing, storing + flight.insert_ns)
 
     def ready_now(self, request: InferRequest) -> bool:
         """Whether `infer_now` would run ``request`` without waiting."""

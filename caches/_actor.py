@@ -117,7 +117,11 @@ class Flight:
 
     def store(self, response: InferResponse) -> None:
         """Cache ``response`` (a successful one) and hand it to the waiting requests."""
-        entry = CacheEntry(key=self.key, outputs=frozen_outputs(response.outputs))
+        self.store_entry(CacheEntry(key=self.key, outputs=frozen_outputs(response.outputs)))
+
+    def store_entry(self, entry: CacheEntry) -> None:
+        """Cache ``entry`` (made for this flight's key: a whole stream, say) and hand it to
+        the waiting requests."""
         start = time.perf_counter_ns()
         self.entry = entry
         self._actor._insert(entry)

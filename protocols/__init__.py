@@ -18,6 +18,8 @@ from ._cache_key import encode_entry as encode_entry
 from ._cache_key import entry_cost as entry_cost
 from ._cache_key import frozen_outputs as frozen_outputs
 from ._cache_key import shared_outputs as shared_outputs
+from ._cache_key import stream_entry as stream_entry
+from ._cache_key import stream_responses as stream_responses
 from ._classification import classified as classified
 from ._config import ENSEMBLE_PLATFORM as ENSEMBLE_PLATFORM
 from ._config import ONNX_BACKEND as ONNX_BACKEND

@@ -230,6 +230,47 @@ def shared_outputs(entry: CacheEntry, wanted: frozenset[str] | None) -> dict[str
     }
 
 
+STREAM_FINALS = "\x00final"
+"""The output of a *stream entry* (the whole stream of a decoupled model or ensemble) that
+holds each response's final flag, in order (BOOL, one per response). Response ``i``'s output
+``name`` is stored as ``"<i>\\x00<name>"``: no model's output name holds a NUL, so a stream
+entry goes through every cache (and its format) as an entry of plain outputs."""
+
+
+def stream_entry(key: CacheKey, responses: Iterable[tuple[Tensors, bool]]) -> CacheEntry:
+    """A stream entry for ``responses`` (each response's frozen outputs and final flag)."""
+    outputs: dict[str, np.ndarray[Any, Any]] = {}
+    finals: list[bool] = []
+    for index, (tensors, final) in enumerate(responses):
+        finals.append(final)
+        for name, array in tensors.items():
+            outputs[f"{index}\x00{name}"] = array
+    flags = np.array(finals, dtype=np.bool_)
+    flags.flags.writeable = False
+    outputs[STREAM_FINALS] = flags
+    return CacheEntry(key=key, outputs=outputs)
+
+
+def stream_responses(
+    entry: CacheEntry, wanted: frozenset[str] | None
+) -> list[tuple[dict[str, Any], bool]] | None:
+    """The responses of a stream entry, in order: read-only views of their outputs (only
+    ``wanted`` ones) and their final flags; None: not a stream entry, or not an intact one."""
+    finals = entry.outputs.get(STREAM_FINALS)
+    if finals is None or finals.dtype != np.bool_ or finals.ndim != 1:
+        return None
+    responses: list[tuple[dict[str, Any], bool]] = [({}, bool(f)) for f in finals.tolist()]
+    for stored, array in entry.outputs.items():
+        if stored == STREAM_FINALS:
+            continue
+        index, _, name = stored.partition("\x00")
+        if not index.isdigit() or int(index) >= len(responses) or not name:
+            return None
+        if wanted is None or name in wanted:
+            responses[int(index)][0][name] = array.view()
+    return responses
+
+
 def entry_cost(entry: CacheEntry, key_size: int = 0) -> int:
     """Bytes an in-memory cache really spends on ``entry``: tensor data plus the Python
     objects around it (array headers, names, the key, the signature, the entry itself)."""

@@ -155,10 +155,10 @@ def validate_model_config(config: ModelConfig) -> list[str]:
     errors.extend(_instance_errors(config))
     errors.extend(_version_policy_errors(config))
     errors.extend(sequence_problems(config))
-    stateful = config.decoupled or config.sequence_batching is not None
+    stateful = config.sequence_batching is not None
     if stateful and config.response_cache is not None and config.response_cache.enable:
-        kind = "decoupled" if config.decoupled else "sequence (stateful)"
-        errors.append(f"model '{name}': a {kind} model cannot enable response_cache")
+        # A decoupled model may: its whole stream is cached (Triton refuses it).
+        errors.append(f"model '{name}': a sequence (stateful) model cannot enable response_cache")
     return errors
 
 
@@ -283,7 +283,8 @@ def validate_repository(
 
 
 def _ensemble_cache_errors(config: ModelConfig, models: Mapping[str, ModelConfig]) -> list[str]:
-    """An ensemble that contains a decoupled or stateful model cannot be cached.
+    """An ensemble that contains a stateful model cannot be cached (one that contains a
+    decoupled model streams, and its whole stream is cached).
 
     Nested ensembles count: their composing models are searched too.
     """
@@ -297,11 +298,10 @@ def _ensemble_cache_errors(config: ModelConfig, models: Mapping[str, ModelConfig
         assert current.ensemble_scheduling is not None
         for step in current.ensemble_scheduling.step:
             model = models.get(step.model_name)
-            if model is not None and (model.decoupled or model.sequence_batching is not None):
+            if model is not None and model.sequence_batching is not None:
                 return [
                     f"ensemble '{config.name}': cannot enable response_cache because it "
-                    f"contains the {'decoupled' if model.decoupled else 'sequence'} model "
-                    f"'{model.name}'"
+                    f"contains the sequence model '{model.name}'"
                 ]
             if (
                 model is not None

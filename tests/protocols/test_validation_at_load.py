@@ -576,13 +576,11 @@ def test_latest_or_available_model_version_is_fine(version: int) -> None:
     assert validate_repository(pipeline_repo(pipe=config), versions) == []
 
 
-def test_ensemble_cache_with_decoupled_model() -> None:
-    """An ensemble containing a decoupled model cannot enable response_cache."""
+def test_ensemble_cache_with_decoupled_model_caches_its_stream() -> None:
+    """An ensemble containing a decoupled model streams, and may cache its whole stream
+    (Triton refuses it)."""
     config = pipeline(response_cache=ResponseCache(enable=True))
-    errors = validate_repository(pipeline_repo(pipe=config, infer=decoupled("infer")))
-    message = the_error(errors)
-    assert message.startswith("ensemble 'pipe': cannot enable response_cache")
-    assert "decoupled model 'infer'" in message
+    assert validate_repository(pipeline_repo(pipe=config, infer=decoupled("infer"))) == []
 
 
 def test_ensemble_cache_with_sequence_model() -> None:
@@ -593,17 +591,18 @@ def test_ensemble_cache_with_sequence_model() -> None:
     assert "sequence model 'pre'" in message
 
 
-def test_ensemble_cache_with_nested_decoupled_model() -> None:
-    """An ensemble whose nested ensemble contains a decoupled model cannot enable the cache."""
+def test_ensemble_cache_with_nested_sequence_model() -> None:
+    """An ensemble whose nested ensemble contains a sequence model cannot enable the cache."""
     outer = ensemble(
         "outer",
         [step("pipe", {"RAW": "RAW"}, {"RESULT": "RESULT"})],
         response_cache=ResponseCache(enable=True),
     )
-    models = {**pipeline_repo(infer=decoupled("infer")), "outer": outer}
+    pre = model("pre", sequence_batching=SequenceBatching())
+    models = {**pipeline_repo(pre=pre), "outer": outer}
     message = the_error(validate_repository(models))
     assert message.startswith("ensemble 'outer': cannot enable response_cache")
-    assert "decoupled model 'infer'" in message
+    assert "sequence model 'pre'" in message
 
 
 def test_step_order_does_not_matter() -> None:
@@ -677,10 +676,6 @@ def test_step_order_does_not_matter() -> None:
         (
             model("m", version_policy=VersionPolicy(specific=(1, 0))),
             "model 'm': version_policy specific needs positive versions",
-        ),
-        (
-            decoupled("m", response_cache=ResponseCache(enable=True)),
-            "model 'm': a decoupled model cannot enable response_cache",
         ),
         (
             model(
