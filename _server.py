@@ -97,6 +97,8 @@ class _MetricsSource:
     """What the Prometheus collector reads from a server at each scrape."""
 
     registry: ModelRegistry
+    extra: list[Callable[[], list[CustomMetricFamily]]] = attrs.field(factory=list)
+    """More metric families, from what runs around the server (`AsyncServer.metric_families`)."""
 
     def model_statistics(self) -> list[ModelStatistics]:
         return self.registry.statistics()
@@ -112,11 +114,17 @@ class _MetricsSource:
         return self.registry.all_step_statistics()
 
     def custom_metrics(self) -> list[CustomMetricFamily]:
-        return self.registry.custom_metrics()
+        families = self.registry.custom_metrics()
+        for source in self.extra:
+            families.extend(source())
+        return families
+
+
+_Callback = TypeVar("_Callback", bound=Callable[..., Any])
 
 
 @contextlib.contextmanager
-def _listed(callbacks: list[Callable[..., None]], callback: Callable[..., None]) -> Iterator[None]:
+def _listed(callbacks: list[_Callback], callback: _Callback) -> Iterator[None]:
     """``callback`` in ``callbacks`` while the block runs."""
     callbacks.append(callback)
     try:
@@ -186,12 +194,22 @@ class AsyncServer:
     metrics_url: str | None = attrs.field(default=None, init=False)
     """Where Prometheus can scrape the metrics (None without ``metrics_port``)."""
 
+    _source: _MetricsSource = attrs.field(init=False)
+
     def __attrs_post_init__(self) -> None:
-        self._metrics = make_metrics_registry(_MetricsSource(self._registry))
+        self._source = _MetricsSource(self._registry)
+        self._metrics = make_metrics_registry(self._source)
 
     def metrics_text(self) -> str:
         """The Prometheus text a scrape of the metrics endpoint returns now."""
         return metrics_text(self._metrics)
+
+    def metric_families(
+        self, source: Callable[[], list[CustomMetricFamily]]
+    ) -> AbstractContextManager[None]:
+        """Add what ``source`` returns to every scrape while the block runs (what runs
+        around the server counts itself: models loaded on demand, say)."""
+        return _listed(self._source.extra, source)
 
     async def infer(
         self,

@@ -268,6 +268,37 @@ def _add_timeout_flags(network: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_on_demand_flags(models: argparse._ArgumentGroup) -> None:
+    """Models loaded on first use, and the limits under which they are unloaded."""
+    models.add_argument(
+        "--model-load-on-demand",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help="load a repository model on its first request (explicit model control; with "
+        "--load-model, those load at start) and unload the least recently used one that has "
+        "no request in flight when a limit below would be passed (default: false)",
+    )
+    models.add_argument(
+        "--model-count-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --model-load-on-demand: the most models loaded at once, composing models "
+        "counted (default: no limit)",
+    )
+    models.add_argument(
+        "--model-memory-limit",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --model-load-on-demand: the most bytes of model files (weights) loaded at "
+        "once (default: no limit)",
+    )
+
+
 def _add_model_flags(models: argparse._ArgumentGroup) -> None:
     """Model control (none, explicit, poll), readiness and the graceful stop."""
     mode = _default("model_control_mode")
@@ -286,6 +317,7 @@ def _add_model_flags(models: argparse._ArgumentGroup) -> None:
         metavar="NAME",
         help="explicit mode: a model to load at start (repeatable; * for all)",
     )
+    _add_on_demand_flags(models)
     poll = _default("poll_interval")
     models.add_argument(
         "--repository-poll-secs",
@@ -392,6 +424,9 @@ def serve_settings(args: argparse.Namespace, console: Console) -> tuple[ServeOpt
         tracing=args.trace_config,
         model_control_mode=ModelControlMode(args.model_control_mode),
         load_models=tuple(args.load_model),
+        model_load_on_demand=args.model_load_on_demand,
+        model_count_limit=args.model_count_limit,
+        model_memory_limit=args.model_memory_limit,
         exit_on_error=triton.exit_on_error,
         server_id=triton.server_id,
         reading=triton.reading,

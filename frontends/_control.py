@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -196,7 +196,13 @@ class ModelControl:
         if self.api_refusal is not None:
             raise ModelControlError(self.api_refusal)
 
-    async def load(self, name: str, override: LoadOverride | None = None) -> None:
+    async def load(
+        self,
+        name: str,
+        override: LoadOverride | None = None,
+        *,
+        room: Callable[[LoadPlan], Awaitable[None]] | None = None,
+    ) -> None:
         """Load (or reload) ``name``, with the composing models its ensembles need, as
         Triton does: from the repository; with ``override.config`` in place of its
         ``config.pbtxt``; or, with ``override.files`` too, from a folder of the server's
@@ -214,6 +220,9 @@ class ModelControl:
                 model repository"); nothing changes.
             ModelLoadError: the model's code failed, or the set of models would be invalid
                 (Triton's "load failed for model '<m>'"); what was serving serves on.
+
+        ``room``: called with the plan, under the lock, before anything loads (it may
+        unload models through `unload_held`: models loaded on demand make room so).
         """
         self._check_allowed("load")
         _check_name(name)
@@ -236,6 +245,8 @@ class ModelControl:
                     self._failed_to_load(name, exc)
                 raise
             try:
+                if room is not None:
+                    await room(plan)
                 await self._load_planned(name, plan)
             except BaseException as exc:
                 if plan.upload is not None:
@@ -301,15 +312,24 @@ class ModelControl:
                 self._expected.discard(name)
                 _log.info("model '%s' is not loaded: nothing to unload", name)
                 return
-            before = set(self.server.model_names())
-            await self.server.unload_model(name, unload_dependents=dependents)
-            gone = before - set(self.server.model_names())
-            self._expected -= gone
-            for model in sorted(gone):
-                held = self._overrides.pop(model, None)
-                if held is not None and held.upload is not None:
-                    await trio.to_thread.run_sync(self.uploads.remove, held.upload)
+            await self.unload_held(name, dependents=dependents)
         _log.info("unloaded model '%s'", name)
+
+    async def unload_held(self, name: str, *, dependents: bool = False) -> None:
+        """Unload ``name`` while the caller holds the load lock (a ``room`` callback of
+        `load`); requests in flight finish first.
+
+        Raises:
+            ConfigError: ensembles use it and ``dependents`` is not set.
+        """
+        before = set(self.server.model_names())
+        await self.server.unload_model(name, unload_dependents=dependents)
+        gone = before - set(self.server.model_names())
+        self._expected -= gone
+        for model in sorted(gone):
+            held = self._overrides.pop(model, None)
+            if held is not None and held.upload is not None:
+                await trio.to_thread.run_sync(self.uploads.remove, held.upload)
 
     async def load_at_start(self, names: Sequence[str], *, exit_on_error: bool = True) -> None:
         """Load ``names`` (``*``: the whole repository) at start: explicit mode's

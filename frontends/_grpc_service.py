@@ -30,6 +30,7 @@ from ..protocols import (
     OrchestrionError,
     RegionNotFoundError,
     UnsupportedError,
+    WireRequest,
     declared_size,
     decode_grpc_request,
     error_message,
@@ -51,6 +52,7 @@ from ._grpc_handlers import method_handlers
 from ._grpc_streams import END, OpenStreams, Stream
 from ._logging import grpc_log_changes, grpc_log_settings, logging_extension
 from ._offload import off_loop
+from ._on_demand import OnDemand
 from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
 from ._wire_infer import WireInfer
@@ -118,11 +120,29 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     """Method groups that need a metadata header (``--grpc-restricted-protocol``)."""
     name: str = attrs.field(default="orchestrion", kw_only=True)
     """The server's name in its metadata (``--id``)."""
+    on_demand: OnDemand | None = attrs.field(default=None, kw_only=True)
+    """Loads a model on its first request (``--model-load-on-demand``)."""
     _streams: OpenStreams = attrs.field(factory=lambda: OpenStreams(), init=False)
     _wire: WireInfer = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._wire = WireInfer(self.server, self.shared_memory)
+        self._wire = WireInfer(self.server, self.shared_memory, self.on_demand)
+
+    async def _loaded(self, context: Any, name: str) -> None:
+        """Load ``name`` first if models load on demand and it is not loaded (metadata,
+        config and readiness then answer as for any loaded model)."""
+        if self.on_demand is None:
+            return
+
+        async def load() -> None:
+            async with self._wire.holding(name):
+                pass
+
+        try:
+            await self.bridge.call(load)
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # abort raises; this line is never reached
 
     def stop_streams(self) -> None:
         """A graceful stop of every open stream (on the trio thread): each answers what it
@@ -157,6 +177,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         """Whether a model (version) is ready."""
 
+        await self._loaded(context, request.name)
+
         async def ready() -> bool:
             return await self.server.model_ready(request.name, parse_version(request.version))
 
@@ -174,6 +196,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         """A model's inputs and outputs (``-1`` for the batch dimension)."""
 
+        await self._loaded(context, request.name)
+
         def metadata() -> Any:
             version = parse_version(request.version)
             config = self.server.model_config(request.name, version)
@@ -184,6 +208,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         """A model's config, in Triton's ``ModelConfig`` message."""
+
+        await self._loaded(context, request.name)
 
         def config() -> Any:
             version = parse_version(request.version)
@@ -244,6 +270,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         # Decoding and encoding happen here, on trio, so that a large message is handled in
         # a worker thread instead of holding the asyncio loop that every gRPC call shares.
         wire = await off_loop(declared_size(message), decode_grpc_request, message)
+        if self.on_demand is not None:
+            async with self._wire.holding(wire.model_name):
+                return await self._infer_wire(wire, traceparent)
+        return await self._infer_wire(wire, traceparent)
+
+    async def _infer_wire(self, wire: WireRequest, traceparent: str | None) -> Any:
         if self.server.is_decoupled(wire.model_name):
             raise InvalidRequestError(
                 f"model '{wire.model_name}' is decoupled (zero or many responses per request): "
@@ -373,6 +405,7 @@ async def serve_grpc_api(
     restrictions: Restrictions | None = None,
     channel_args: Sequence[tuple[str, int]] = (),
     name: str = "orchestrion",
+    on_demand: OnDemand | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``inference.GRPCInferenceService`` on ``host:port`` until cancelled, or until
@@ -404,6 +437,7 @@ async def serve_grpc_api(
             shared_memory or SharedMemory(),
             restrictions or Restrictions(),
             name=name,
+            on_demand=on_demand,
         )
         loop_thread = _LoopThread(service, address, max_message_size, tuple(channel_args))
         try:

@@ -202,6 +202,19 @@ class Stream:
 
     async def _answer(self, wire: WireRequest, traceparent: str | None) -> None:
         try:
+            if self.wire.on_demand is None:
+                await self._answered(wire, traceparent)
+            else:
+                async with self.wire.holding(wire.model_name):  # loaded on demand
+                    await self._answered(wire, traceparent)
+        except Exception as exc:  # the model could not be loaded on demand
+            version, request_id = str(wire.options.model_version), wire.options.request_id
+            await self._failed(wire.model_name, version, request_id, exc)
+        finally:
+            self._window.release()
+
+    async def _answered(self, wire: WireRequest, traceparent: str | None) -> None:
+        try:
             decoupled = self.server.is_decoupled(wire.model_name)
             if not decoupled:  # one answer: `infer` carries the timeout to the models too
                 response = await self.wire.infer(wire, traceparent)
@@ -237,8 +250,6 @@ class Stream:
                 _log.error("stream request failed unexpectedly", exc_info=exc)
             version, request_id = str(wire.options.model_version), wire.options.request_id
             await self._failed(wire.model_name, version, request_id, exc)
-        finally:
-            self._window.release()
 
     async def _failed(self, model: str, version: str, request_id: str, error: Exception) -> None:
         """A request failed: its error response; or, under `status_on_error`, the end of

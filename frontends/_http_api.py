@@ -62,6 +62,7 @@ from ._http_server import (
 )
 from ._logging import logging_extension
 from ._offload import off_loop
+from ._on_demand import OnDemand
 from ._restricted import Restrictions
 from ._shared_memory import CUDA_UNSUPPORTED, SharedMemory
 from ._wire_infer import WireInfer
@@ -108,11 +109,13 @@ class HttpApi:
     """Endpoint groups that need a header (``--http-restricted-api``)."""
     name: str = attrs.field(default="orchestrion", kw_only=True)
     """The server's name in its metadata (``--id``)."""
+    on_demand: OnDemand | None = attrs.field(default=None, kw_only=True)
+    """Loads a model on its first request (``--model-load-on-demand``)."""
     _wire: WireInfer = attrs.field(init=False)
     _generate: Generate = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._wire = WireInfer(self.server, self.shared_memory)
+        self._wire = WireInfer(self.server, self.shared_memory, self.on_demand)
         self._generate = Generate(self.server, self._wire, self.max_input_size)
 
     async def handle(self, request: HttpRequest) -> Answer | StreamedAnswer:
@@ -141,7 +144,10 @@ class HttpApi:
             match = _MODEL_ROUTE.match(path)
             if match is None:
                 raise _HttpError(404, f"no route for {path}")
-            return await self._model(match, request)
+            if self.on_demand is None or match["action"] == "stats":
+                return await self._model(match, request)
+            async with self._wire.holding(match["model"]):  # a streamed answer holds its own
+                return await self._model(match, request)
         if path.startswith("/v2/repository/"):
             return await self._repository(request)
         route = path.rstrip("/")

@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import attrs
@@ -54,6 +55,7 @@ from ._http_server import (
 )
 from ._native import native_available, serve_native
 from ._native_cache import DEFAULT_TIER_SIZE
+from ._on_demand import OnDemand
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 
@@ -124,6 +126,13 @@ class ServeOptions:
     frontend_cache_size: int = DEFAULT_TIER_SIZE
     """Bytes of answers the native front end keeps and answers itself, for models whose
     responses the server caches (0: none; see `frontends._native_cache`)."""
+    model_load_on_demand: bool = False
+    """Load a repository model on its first request (``--model-load-on-demand``; implies
+    ``explicit`` model control), and unload the least recently used under the limits."""
+    model_count_limit: int | None = None
+    """The most models loaded at once, with ``model_load_on_demand`` (None: no limit)."""
+    model_memory_limit: int | None = None
+    """The most bytes of model files loaded at once, with ``model_load_on_demand``."""
     workers: int = 1
     """Server processes sharing the ports (``--workers``; see `frontends._workers`)."""
     worker_of: int = 0
@@ -192,8 +201,11 @@ async def serve(
         memory = SharedMemory(_shm_allowed(options), options.max_shm_regions)
         if options.worker_of:
             memory = SharedMemory(False, refusal=worker_refusal("client shared memory", options))
-        with contextlib.closing(memory):
-            serving = _Serving(server, control, version, options, shutdown, memory, restrictions)
+        on_demand = _on_demand(server, control, options)
+        with contextlib.closing(memory), _counted(server, on_demand):
+            serving = _Serving(
+                server, control, version, options, shutdown, memory, restrictions, on_demand
+            )
             async with ungrouped(trio.open_nursery()) as front_ends:
                 with shutdown.on_request(control.stop_accepting):
                     if _native_chosen(options):
@@ -232,6 +244,8 @@ class _Serving:
     memory: SharedMemory
     restrictions: tuple[Restrictions, Restrictions]
     """HTTP's and gRPC's."""
+    on_demand: OnDemand | None = None
+    """Loads models on first use (``--model-load-on-demand``)."""
 
 
 def _restrictions(options: ServeOptions) -> tuple[Restrictions, Restrictions]:
@@ -263,6 +277,7 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
             f"--model-control-mode must be none, explicit or poll, not "
             f"'{options.model_control_mode}'"
         ) from None
+    mode = _on_demand_mode(options, mode)
     if options.frontend not in ("auto", "native", "python"):
         raise ConfigError(f"--frontend must be auto, native or python, not '{options.frontend}'")
     if options.frontend == "native" and not native_available():
@@ -289,6 +304,53 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
     if not options.model_repository.is_dir():
         raise ConfigError(f"{options.model_repository}: model repository is not a directory")
     return mode
+
+
+def _on_demand(
+    server: AsyncServer, control: ModelControl, options: ServeOptions
+) -> OnDemand | None:
+    """What loads models on first use (``--model-load-on-demand``; None: off)."""
+    if not options.model_load_on_demand:
+        return None
+    return OnDemand(
+        server,
+        control,
+        max_models=options.model_count_limit,
+        max_bytes=options.model_memory_limit,
+    )
+
+
+def _counted(server: AsyncServer, on_demand: OnDemand | None) -> AbstractContextManager[None]:
+    """``on_demand``'s loads and evictions in the server's metrics while the block runs."""
+    if on_demand is None:
+        return contextlib.nullcontext()
+    return server.metric_families(on_demand.metric_families)
+
+
+def _on_demand_mode(options: ServeOptions, mode: ModelControlMode) -> ModelControlMode:
+    """The model control mode with ``--model-load-on-demand`` (explicit), its flags checked.
+
+    Raises:
+        ConfigError: on-demand loading with poll mode or ``--workers``, or its limits
+            without it.
+    """
+    if not options.model_load_on_demand:
+        if options.model_count_limit is not None or options.model_memory_limit is not None:
+            raise ConfigError(
+                "--model-count-limit and --model-memory-limit need --model-load-on-demand"
+            )
+        return mode
+    if mode is ModelControlMode.POLL:
+        raise ConfigError(
+            "--model-load-on-demand loads and unloads models itself: it cannot follow the "
+            "repository (--model-control-mode=poll); use explicit"
+        )
+    if options.worker_of:
+        raise ConfigError(
+            "--model-load-on-demand cannot be used with --workers (each worker would load "
+            "and unload on its own)"
+        )
+    return ModelControlMode.EXPLICIT
 
 
 async def _open_model_control(
@@ -359,6 +421,7 @@ def _http_api(serving: _Serving) -> HttpApi:
         serving.memory,
         serving.restrictions[0],
         name=options.server_id,
+        on_demand=serving.on_demand,
     )
 
 
@@ -377,6 +440,7 @@ async def _start_native(
         serving.memory,
         serving.restrictions[1],
         name=options.server_id,
+        on_demand=serving.on_demand,
     )
     addresses: tuple[str | None, str | None] = await front_ends.start(
         functools.partial(
@@ -452,6 +516,7 @@ async def _start_grpc(front_ends: trio.Nursery, serving: _Serving) -> str | None
             restrictions=serving.restrictions[1],
             channel_args=options.grpc_channel_args,
             name=options.server_id,
+            on_demand=serving.on_demand,
         )
     )
     return address

@@ -16,6 +16,7 @@ import numpy as np
 from .._server import AsyncServer, CacheTierLink
 from ..protocols import InferResponse, RequestOptions, WireRequest, classified
 from ._offload import off_loop
+from ._on_demand import OnDemand
 from ._shared_memory import Lease, SharedMemory
 
 CACHED_MODEL: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
@@ -33,6 +34,9 @@ class WireInfer:
 
     server: AsyncServer
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
+    on_demand: OnDemand | None = None
+    """Loads models on first use (``--model-load-on-demand``): each request holds its model
+    while it runs (None: models are loaded by model control only)."""
     _link: CacheTierLink = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -45,6 +49,19 @@ class WireInfer:
             OrchestrionError: as `AsyncServer.infer`, or a shared memory or classification
                 problem (named).
         """
+        if self.on_demand is None:
+            return await self._infer(wire, traceparent)
+        async with self.on_demand.using(wire.model_name):
+            return await self._infer(wire, traceparent)
+
+    def holding(self, name: str) -> contextlib.AbstractAsyncContextManager[object]:
+        """Hold model ``name`` while the block runs, loading it first when models load on
+        demand (otherwise nothing)."""
+        if self.on_demand is None:
+            return contextlib.nullcontext()
+        return self.on_demand.using(name)
+
+    async def _infer(self, wire: WireRequest, traceparent: str | None) -> InferResponse:
         with self.shared_memory.lease(wire) as lease:
             inputs = await _inputs(wire, lease)
             response = await self.server.infer(
@@ -60,12 +77,15 @@ class WireInfer:
     ) -> AsyncGenerator[InferResponse, None]:
         """The responses of a decoupled model to ``wire``, each finished as `infer`'s (a
         shared memory output holds the latest)."""
-        with self.shared_memory.lease(wire) as lease:
-            inputs = await _inputs(wire, lease)
-            responses = self.server.stream_infer(wire.model_name, inputs, options=options)
-            async with contextlib.aclosing(responses) as each:
-                async for response in each:
-                    yield await self._finished(wire, lease, response)
+        async with contextlib.AsyncExitStack() as held:
+            if self.on_demand is not None:
+                await held.enter_async_context(self.on_demand.using(wire.model_name))
+            with self.shared_memory.lease(wire) as lease:
+                inputs = await _inputs(wire, lease)
+                responses = self.server.stream_infer(wire.model_name, inputs, options=options)
+                async with contextlib.aclosing(responses) as each:
+                    async for response in each:
+                        yield await self._finished(wire, lease, response)
 
     async def _finished(
         self, wire: WireRequest, lease: Lease | None, response: InferResponse

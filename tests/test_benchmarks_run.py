@@ -34,6 +34,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["control_flow.py", "--rounds", "1", "--requests", "5", "--items", "8"],
             ["skipped step", "map item", "loop iteration", "declared ÷ hand-written"],
         ),
+        (
+            ["on_demand.py", "--models", "3", "--room", "2", "--rounds", "1"],
+            ["first request ms", "room for 2 req/s"],
+        ),
         # Starts its own redis-server, prints its three tables, stops it.
         (["cache.py", "--quick"], ["µs", "GB/s", "lookups/s"]),
         # Starts its own OTLP receiver; telemetry off, metrics, tracing at 100% and 1%.
@@ -80,6 +84,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "step_costs",
         "python_calls",
         "control_flow",
+        "on_demand",
         "cache",
         "telemetry",
         "batching",
