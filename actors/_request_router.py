@@ -389,6 +389,10 @@ class RequestRouter:
                 flight = await self._looked_up(self.cache, runner, request)
                 try:
                     hit = flight.entry is not None
+                    if not hit:
+                        # A stream runs at its reader's pace, which may be never: identical
+                        # requests do not wait for it (each runs; the first to end stores).
+                        flight.release()
                     async with contextlib.aclosing(
                         self._cached_stream(runner, request, flight)
                     ) as responses:
@@ -412,7 +416,8 @@ class RequestRouter:
         """A stream through the cache: a hit replays the stored responses in order with
         their final flags; a miss runs the model, passes each response on as it comes, and
         stores the whole stream once it has ended (a stream that fails, is left early or
-        outgrows `STREAM_ENTRY_LIMIT` is not stored)."""
+        outgrows `STREAM_ENTRY_LIMIT` is not stored). Identical streams that start while one
+        runs are not made to wait for it (it goes at its reader's pace): each runs."""
         if flight.entry is not None:
             replayed = stream_responses(flight.entry, request.requested_outputs) or []
             parameters = runner.response_parameters(request)
@@ -436,7 +441,7 @@ class RequestRouter:
                     outputs = frozen_outputs(
                         {n: a for n, a in response.outputs.items() if wanted is None or n in wanted}
                     )
-                    size += sum(int(array.nbytes) for array in outputs.values())
+                    size += CacheEntry(key=flight.key, outputs=outputs).nbytes  # BYTES too
                     kept = kept if size <= STREAM_ENTRY_LIMIT else None
                     if kept is not None:
                         kept.append((outputs, response.final))

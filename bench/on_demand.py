@@ -28,7 +28,7 @@ from _common import table
 
 from orchestrion import AsyncServer, open_server
 from orchestrion.frontends._control import ModelControl, ModelControlMode
-from orchestrion.frontends._on_demand import OnDemand
+from orchestrion.frontends._on_demand import open_on_demand
 from orchestrion.frontends._wire_infer import WireInfer
 from orchestrion.protocols import WireRequest
 
@@ -55,7 +55,8 @@ def _repository(root: Path, count: int) -> None:
 async def _served(root: Path, room: int | None) -> AsyncIterator[tuple[AsyncServer, WireInfer]]:
     async with open_server(root, load_models=[]) as server:
         control = ModelControl(server, mode=ModelControlMode.EXPLICIT)
-        yield server, WireInfer(server, on_demand=OnDemand(server, control, max_models=room))
+        async with open_on_demand(server, control, max_models=room) as on_demand:
+            yield server, WireInfer(server, on_demand=on_demand)
 
 
 async def _request(wire: WireInfer, name: str, k: int) -> float:

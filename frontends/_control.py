@@ -202,6 +202,7 @@ class ModelControl:
         override: LoadOverride | None = None,
         *,
         room: Callable[[LoadPlan], Awaitable[None]] | None = None,
+        if_absent: bool = False,
     ) -> None:
         """Load (or reload) ``name``, with the composing models its ensembles need, as
         Triton does: from the repository; with ``override.config`` in place of its
@@ -223,11 +224,15 @@ class ModelControl:
 
         ``room``: called with the plan, under the lock, before anything loads (it may
         unload models through `unload_held`: models loaded on demand make room so).
+        ``if_absent``: nothing happens when ``name`` is loaded by the time the lock is held
+        (another load brought it in: an ensemble's step, say).
         """
         self._check_allowed("load")
         _check_name(name)
         request = override or LoadOverride()
         async with self._lock.hold():
+            if if_absent and name in self.server.model_names():
+                return
             if request.empty and await self._override_kept(name):
                 _log.info("model '%s' unchanged since its config override: kept", name)
                 return

@@ -230,7 +230,7 @@ class HttpApi:
         if self.server.is_decoupled(name):
             raise InvalidRequestError(
                 f"model '{name}' is decoupled (zero or many responses per request): HTTP infer "
-                "gives one response; use POST /v2/models/{name}/generate_stream (server-sent "
+                f"gives one response; use POST /v2/models/{name}/generate_stream (server-sent "
                 "events) or gRPC ModelStreamInfer"
             )
         headers = request.headers

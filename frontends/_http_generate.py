@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -37,6 +38,8 @@ from ..protocols import (
 from ._http_server import Answer, HttpRequest, StreamedAnswer
 from ._offload import off_loop
 from ._wire_infer import WireInfer
+
+_log = logging.getLogger("orchestrion.http")
 
 EVENT_STREAM = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _JSON = [(b"content-type", b"application/json")]
@@ -136,7 +139,9 @@ async def _events(
             yield await _event(first, request_id)
             async for response in rest:
                 yield await _event(response, request_id)
-        except OrchestrionError as exc:
+        except Exception as exc:  # the answer has started: the error is its last event
+            if not isinstance(exc, OrchestrionError):
+                _log.error("a streamed generate answer failed unexpectedly", exc_info=exc)
             yield _error_event(exc)
 
 

@@ -226,9 +226,11 @@ class _Dispatcher:
                     await credits.acquire()
                     if not frontend.stream_send(id_, part):
                         return
-            frontend.stream_close(id_, 0, "")
         finally:
             del self._http_credits[id_]
+            # Ends the body (whatever ended the parts; nothing when the client has gone), so
+            # no answer is left open in the hub.
+            frontend.stream_close(id_, 0, "")
 
     # gRPC, unary
 

@@ -5,12 +5,15 @@
 How this works: the front ends hold a `Lease` on a model for each request's whole life
 (`OnDemand.using`; a streamed answer keeps it until its last part). A model the server has
 loaded is marked as used now. A model that is not loaded but has a folder in the repository
-is loaded through `ModelControl.load`; concurrent first requests wait for that one load. Before
-the load, under the model control's lock, `OnDemand` makes room: while the models the load
-adds (the model and the composing models it needs, as `plan_load` reads them) would take the
-server over a limit, the least recently used model that nothing holds is unloaded. A model is
-held by a lease (a request in flight), or by a loaded ensemble that uses it, so an ensemble
-keeps its steps while it runs and while it is loaded. When everything loaded is held, the
+is loaded through `ModelControl.load`, in a task of `OnDemand`'s own nursery: concurrent first
+requests wait for that one load, and a client that leaves does not cancel it for the others
+(they get its error, if it fails). Before the load, under the model control's lock, `OnDemand`
+makes room: while the models the load adds (the model and the composing models it needs, as
+`plan_load` reads them) would take the server over a limit, the least recently used model
+that nothing holds is unloaded. A model is held by a lease (a request in flight), by a loaded
+ensemble that uses it, or by the ensemble being loaded, so an ensemble keeps its steps while
+it loads, runs and stays loaded. Models loaded otherwise (``--load-model``, the load API)
+count too, as the least recently used. When everything loaded is held, the
 load waits for a lease to end (at most `ROOM_WAIT` seconds, then a 503). A model's memory is
 counted as the bytes of its folder's files (its weights, for the models that have them).
 
@@ -43,6 +46,9 @@ from ._control import ModelControl
 
 _log = logging.getLogger("orchestrion")
 
+_ATTEMPTS = 3
+"""Loads a request asks for before it answers as for a model that is not loaded (a model it
+holds cannot be unloaded, so one is enough unless an unload API call races it)."""
 ROOM_WAIT = 30.0
 """Seconds a load waits for a loaded model to be free to unload, when every one is in use."""
 
@@ -75,11 +81,21 @@ class Lease:
 
 
 @attrs.define(eq=False)
+class _Load:
+    """One load of a model on first use, shared by the requests that wait for it."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    error: Exception | None = None
+
+
+@attrs.define(eq=False)
 class OnDemand:
-    """Loads models on first use and unloads the least recently used under a budget."""
+    """Loads models on first use and unloads the least recently used under a budget. Open
+    one with `open_on_demand` (it owns the tasks that load)."""
 
     server: AsyncServer
     control: ModelControl
+    _nursery: trio.Nursery
     max_models: int | None = None
     """The most models loaded at once (composing models count); None: no limit."""
     max_bytes: int | None = None
@@ -89,7 +105,7 @@ class OnDemand:
     )
     """Loaded models, least recently used first."""
     _leases: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
-    _loading: dict[str, trio.Event] = attrs.field(factory=dict, init=False)
+    _loading: dict[str, _Load] = attrs.field(factory=dict, init=False)
     _freed: trio.Event = attrs.field(factory=trio.Event, init=False)
     _sizes: dict[str, int] = attrs.field(factory=dict, init=False)
     loads: int = 0
@@ -102,13 +118,12 @@ class OnDemand:
             raise ConfigError(f"--model-count-limit must be >= 1, not {self.max_models}")
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ConfigError(f"--model-memory-limit must be >= 1 byte, not {self.max_bytes}")
-        for name in self.server.model_names():
-            self._used[name] = None
+        self._track_loaded()
 
     @contextlib.asynccontextmanager
     async def using(self, name: str) -> AsyncIterator[Lease]:
-        """Hold ``name`` for a request (loading it first if it is in the repository and not
-        loaded); the lease ends with the block unless the caller keeps it (`kept`).
+        """Hold ``name`` for a request while the block runs (loading it first if it is in
+        the repository and not loaded).
 
         Raises:
             LoadRequestError, ModelLoadError: the model's folder cannot be loaded (as a load
@@ -122,18 +137,21 @@ class OnDemand:
             lease.release()
 
     async def lease(self, name: str) -> Lease:
-        """A hold on ``name`` that the caller releases (see `using`)."""
+        """A hold on ``name`` that the caller releases (see `using`). The hold is taken
+        before the load, so the model cannot be unloaded between its load and the request."""
         self._leases[name] += 1
         lease = Lease(self, name)
         try:
-            while name not in self.server.model_names() and self._in_repository(name):
-                loading = self._loading.get(name)
-                if loading is not None:
-                    await loading.wait()  # another request's load of it; then look again
-                    if name not in self.server.model_names():
-                        break  # that load failed: this request's answer is a 404 as usual
-                    continue
-                await self._load(name)
+            for _ in range(_ATTEMPTS):
+                if name in self.server.model_names() or not self._in_repository(name):
+                    break
+                load = self._loading.get(name)
+                if load is None:
+                    load = self._loading[name] = _Load()
+                    self._nursery.start_soon(self._load, name, load)
+                await load.done.wait()
+                if load.error is not None:
+                    raise load.error
         except BaseException:
             lease.release()
             raise
@@ -151,23 +169,35 @@ class OnDemand:
         root = self.server.model_repository
         return root is not None and find_model_folder(root, name) is not None
 
-    async def _load(self, name: str) -> None:
-        self._loading[name] = done = trio.Event()
+    async def _load(self, name: str, load: _Load) -> None:
+        """Load ``name`` (a task of the nursery: a requester that leaves does not cancel it);
+        its error, if any, goes to the requests that wait for it."""
         started = time.perf_counter()
         try:
-            await self.control.load(name, room=self._make_room)
+            await self.control.load(name, room=self._make_room, if_absent=True)
+        except Exception as exc:
+            load.error = exc
+            return
         finally:
             del self._loading[name]
-            done.set()
+            load.done.set()
         seconds = time.perf_counter() - started
         self.loads += 1
         self.load_seconds += seconds
-        self._forget_unloaded()
-        for loaded in self.server.model_names():
-            if loaded not in self._used:
-                self._used[loaded] = None
+        self._track_loaded()
         self._used.move_to_end(name)
         _log.info("model '%s' loaded on first use in %.2f s", name, seconds)
+
+    def _track_loaded(self) -> None:
+        """Bring `_used` up to what is loaded: models loaded otherwise (at start, through
+        the API) join as the least recently used; unloaded ones leave."""
+        loaded = self.server.model_names()
+        for name in [n for n in self._used if n not in loaded]:
+            del self._used[name]
+        for name in loaded:
+            if name not in self._used:
+                self._used[name] = None
+                self._used.move_to_end(name, last=False)
 
     async def _make_room(self, plan: LoadPlan) -> None:
         """Unload what must go for ``plan`` to fit (called by `ModelControl.load`, under its
@@ -178,13 +208,15 @@ class OnDemand:
                 in use for `ROOM_WAIT` seconds.
         """
         names = [entry.name for entry in plan.entries]
-        sizes = await trio.to_thread.run_sync(self._entry_sizes, plan)
+        self._track_loaded()
+        sizes = await trio.to_thread.run_sync(self._sizes_of, plan)
         self._sizes.update(sizes)
-        added, added_bytes = len(names), sum(sizes.values())
+        added, added_bytes = len(names), sum(sizes[name] for name in names)
         self._check_fits(names, added, added_bytes)
+        keep = set(names) | self._steps_of(plan)
         with trio.move_on_after(ROOM_WAIT):
             while self._over(added, added_bytes):
-                victim = self._victim(set(names))
+                victim = self._victim(keep)
                 if victim is None:
                     self._freed = trio.Event()
                     await self._freed.wait()
@@ -209,8 +241,33 @@ class OnDemand:
                 f"--model-memory-limit {self.max_bytes}"
             )
 
-    def _entry_sizes(self, plan: LoadPlan) -> dict[str, int]:
-        return {entry.name: folder_bytes(entry.path) for entry in plan.entries}
+    def _sizes_of(self, plan: LoadPlan) -> dict[str, int]:
+        """The bytes of the plan's models and of loaded models not sized yet (disk reads:
+        a worker thread's)."""
+        sizes = {entry.name: folder_bytes(entry.path) for entry in plan.entries}
+        root = self.server.model_repository
+        for name in self.server.model_names():
+            if name not in self._sizes and root is not None:
+                sizes[name] = folder_bytes(find_model_folder(root, name))
+        return sizes
+
+    def _steps_of(self, plan: LoadPlan) -> set[str]:
+        """Every model the plan's ensembles step into, however deep, loaded or not: what
+        the load needs to stay loaded."""
+        configs = {entry.name: entry.config for entry in plan.entries}
+        todo = [entry.config for entry in plan.entries]
+        steps: set[str] = set()
+        while todo:
+            scheduling = todo.pop().ensemble_scheduling
+            for step in scheduling.step if scheduling is not None else ():
+                if step.model_name in steps:
+                    continue
+                steps.add(step.model_name)
+                if step.model_name in configs:
+                    continue  # in the plan: its own steps are read from it
+                if step.model_name in self.server.model_names():
+                    todo.append(self.server.model_config(step.model_name))
+        return steps
 
     def _over(self, added: int, added_bytes: int) -> bool:
         loaded = self.server.model_names()
@@ -222,7 +279,7 @@ class OnDemand:
 
     def _victim(self, keep: set[str]) -> str | None:
         """The least recently used loaded model that nothing holds (None: none is free)."""
-        self._forget_unloaded()
+        self._track_loaded()
         held = self._held_by_ensembles()
         for name in self._used:
             if name not in keep and name not in held and self._leases[name] == 0:
@@ -245,11 +302,6 @@ class OnDemand:
         self.eviction_seconds += seconds
         self._used.pop(name, None)
         _log.info("model '%s' unloaded to make room (least recently used) in %.2f s", name, seconds)
-
-    def _forget_unloaded(self) -> None:
-        loaded = set(self.server.model_names())
-        for name in [n for n in self._used if n not in loaded]:
-            del self._used[name]
 
     def metric_families(self) -> list[CustomMetricFamily]:
         """The loads, evictions and what is loaded, for ``/metrics``."""
@@ -292,3 +344,24 @@ class OnDemand:
                 size,
             ),
         ]
+
+
+@contextlib.asynccontextmanager
+async def open_on_demand(
+    server: AsyncServer,
+    control: ModelControl,
+    *,
+    max_models: int | None = None,
+    max_bytes: int | None = None,
+) -> AsyncIterator[OnDemand]:
+    """An `OnDemand` for ``server``, its loads run in a nursery of this block (a load still
+    running when the block ends is cancelled), its counters in the server's ``/metrics``.
+
+    Raises:
+        ConfigError: a limit below 1.
+    """
+    async with trio.open_nursery() as nursery:
+        on_demand = OnDemand(server, control, nursery, max_models=max_models, max_bytes=max_bytes)
+        with server.metric_families(on_demand.metric_families):
+            yield on_demand
+        nursery.cancel_scope.cancel()

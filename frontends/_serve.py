@@ -24,7 +24,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import attrs
@@ -55,7 +55,7 @@ from ._http_server import (
 )
 from ._native import native_available, serve_native
 from ._native_cache import DEFAULT_TIER_SIZE
-from ._on_demand import OnDemand
+from ._on_demand import OnDemand, open_on_demand
 from ._restricted import GRPC_HEADER_PREFIX, Restrictions
 from ._shared_memory import DEFAULT_MAX_REGIONS, SharedMemory
 
@@ -201,35 +201,35 @@ async def serve(
         memory = SharedMemory(_shm_allowed(options), options.max_shm_regions)
         if options.worker_of:
             memory = SharedMemory(False, refusal=worker_refusal("client shared memory", options))
-        on_demand = _on_demand(server, control, options)
-        with contextlib.closing(memory), _counted(server, on_demand):
-            serving = _Serving(
-                server, control, version, options, shutdown, memory, restrictions, on_demand
-            )
-            async with ungrouped(trio.open_nursery()) as front_ends:
-                with shutdown.on_request(control.stop_accepting):
-                    if _native_chosen(options):
-                        http, grpc = await _start_native(front_ends, serving)
-                    else:
-                        http = await _start_http(front_ends, serving)
-                        grpc = await _start_grpc(front_ends, serving)
-                    metrics = server.metrics_url
-                    task_status.started(
-                        Endpoints(
-                            http=http,
-                            grpc=grpc,
-                            metrics=metrics.removeprefix("http://").removesuffix("/metrics")
-                            if metrics
-                            else None,
+        async with _on_demand(server, control, options) as on_demand:
+            with contextlib.closing(memory):
+                serving = _Serving(
+                    server, control, version, options, shutdown, memory, restrictions, on_demand
+                )
+                async with ungrouped(trio.open_nursery()) as front_ends:
+                    with shutdown.on_request(control.stop_accepting):
+                        if _native_chosen(options):
+                            http, grpc = await _start_native(front_ends, serving)
+                        else:
+                            http = await _start_http(front_ends, serving)
+                            grpc = await _start_grpc(front_ends, serving)
+                        metrics = server.metrics_url
+                        task_status.started(
+                            Endpoints(
+                                http=http,
+                                grpc=grpc,
+                                metrics=metrics.removeprefix("http://").removesuffix("/metrics")
+                                if metrics
+                                else None,
+                            )
                         )
-                    )
-                    async with trio.open_nursery() as running:
-                        if options.worker_of:  # an orphaned worker stops
-                            running.start_soon(stop_when_orphaned, shutdown)
-                        await _run_until_stopped(
-                            control, mode, options.poll_interval, baseline, shutdown
-                        )
-                        running.cancel_scope.cancel()
+                        async with trio.open_nursery() as running:
+                            if options.worker_of:  # an orphaned worker stops
+                                running.start_soon(stop_when_orphaned, shutdown)
+                            await _run_until_stopped(
+                                control, mode, options.poll_interval, baseline, shutdown
+                            )
+                            running.cancel_scope.cancel()
 
 
 @attrs.frozen
@@ -308,23 +308,16 @@ def _checked_mode(options: ServeOptions) -> ModelControlMode:
 
 def _on_demand(
     server: AsyncServer, control: ModelControl, options: ServeOptions
-) -> OnDemand | None:
+) -> AbstractAsyncContextManager[OnDemand | None]:
     """What loads models on first use (``--model-load-on-demand``; None: off)."""
     if not options.model_load_on_demand:
-        return None
-    return OnDemand(
+        return contextlib.nullcontext()
+    return open_on_demand(
         server,
         control,
         max_models=options.model_count_limit,
         max_bytes=options.model_memory_limit,
     )
-
-
-def _counted(server: AsyncServer, on_demand: OnDemand | None) -> AbstractContextManager[None]:
-    """``on_demand``'s loads and evictions in the server's metrics while the block runs."""
-    if on_demand is None:
-        return contextlib.nullcontext()
-    return server.metric_families(on_demand.metric_families)
 
 
 def _on_demand_mode(options: ServeOptions, mode: ModelControlMode) -> ModelControlMode:

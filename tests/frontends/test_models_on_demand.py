@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 
 from orchestrion import AsyncServer, open_server
 from orchestrion.frontends._control import ModelControl, ModelControlMode
-from orchestrion.frontends._on_demand import OnDemand
+from orchestrion.frontends._on_demand import OnDemand, open_on_demand
 from orchestrion.frontends._serve import ServeOptions, serve
 from orchestrion.frontends._wire_infer import WireInfer
 from orchestrion.protocols import (
@@ -70,12 +70,24 @@ ensemble_scheduling { step [
 """
 
 
-def _repository(root: Path, count: int, *, ensemble: bool = False, weights: int = 0) -> Path:
+def _repository(
+    root: Path,
+    count: int,
+    *,
+    ensemble: bool = False,
+    weights: int = 0,
+    slow_import: float = 0.0,
+) -> Path:
+    """``add0`` ... plain models; ``both`` (add1 then add2); ``slow_import``: add1's code
+    takes that long to import (a slow load)."""
     for k in range(count):
         folder = root / f"add{k}"
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(_CONFIG.format(name=f"add{k}"))
-        (folder / "1" / "model.py").write_text(_MODEL.format(k=k))
+        code = _MODEL.format(k=k)
+        if k == 1 and slow_import:
+            code = f"import time\n\ntime.sleep({slow_import})\n" + code
+        (folder / "1" / "model.py").write_text(code)
         if weights:
             (folder / "1" / "weights.bin").write_bytes(b"\0" * weights)
     if ensemble:
@@ -88,7 +100,8 @@ def _repository(root: Path, count: int, *, ensemble: bool = False, weights: int 
 async def _on_demand(root: Path, **limits: Any) -> AsyncIterator[tuple[AsyncServer, OnDemand]]:
     async with open_server(root, load_models=[]) as server:
         control = ModelControl(server, mode=ModelControlMode.EXPLICIT)
-        yield server, OnDemand(server, control, **limits)
+        async with open_on_demand(server, control, **limits) as on_demand:
+            yield server, on_demand
 
 
 async def _infer(wire: WireInfer, name: str, x: float, delay: float = 0.0) -> float:
@@ -189,6 +202,73 @@ async def test_an_ensemble_keeps_its_steps_and_counts_them(tmp_path: Path) -> No
         wire = WireInfer(server, on_demand=on_demand)
         with pytest.raises(ModelControlError, match=r"needs 3 models loaded at once"):
             await _infer(wire, "both", 1.0)
+
+
+async def test_an_ensemble_keeps_its_steps_that_are_loaded_already(tmp_path: Path) -> None:
+    """``both`` needs add1 and add2, loaded already but the least recently used: making
+    room for ``both`` unloads add3, never a step the ensemble is about to use."""
+    root = _repository(tmp_path, 4, ensemble=True)
+    async with _on_demand(root, max_models=3) as (server, on_demand):
+        wire = WireInfer(server, on_demand=on_demand)
+        for k in (1, 3, 2):
+            await _infer(wire, f"add{k}", 0.0)
+        assert await _infer(wire, "both", 1.0) == 4.0
+        assert sorted(server.model_names()) == ["add1", "add2", "both"]
+
+
+async def test_a_request_that_leaves_does_not_cancel_the_shared_load(tmp_path: Path) -> None:
+    """The first request for add1 (whose code takes 0.5 s to import) is cancelled while it
+    loads: the second request, waiting for the same load, gets its answer."""
+    root = _repository(tmp_path, 2, slow_import=0.5)
+    async with _on_demand(root, max_models=2) as (server, on_demand):
+        wire = WireInfer(server, on_demand=on_demand)
+        answers: list[float] = []
+
+        async def second() -> None:
+            answers.append(await _infer(wire, "add1", 1.0))
+
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(0.2):
+                nursery.start_soon(second)
+                await _infer(wire, "add1", 0.0)
+        assert answers == [2.0]
+        assert on_demand.loads == 1
+
+
+async def test_a_step_asked_for_while_its_ensemble_loads_is_not_loaded_again(
+    tmp_path: Path,
+) -> None:
+    """A request for add1 while ``both`` (add1 then add2) loads waits for that load and
+    answers; nothing is loaded twice or unloaded."""
+    root = _repository(tmp_path, 3, ensemble=True, slow_import=0.3)
+    async with _on_demand(root, max_models=3) as (server, on_demand):
+        wire = WireInfer(server, on_demand=on_demand)
+        answers: list[float] = []
+
+        async def step() -> None:
+            await trio.sleep(0.1)
+            answers.append(await _infer(wire, "add1", 1.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            answers.append(await _infer(wire, "both", 1.0))
+        assert sorted(answers) == [2.0, 4.0]
+        assert sorted(server.model_names()) == ["add1", "add2", "both"]
+        assert on_demand.evictions == 0
+
+
+async def test_models_loaded_through_the_api_count_and_can_go(tmp_path: Path) -> None:
+    """add0, loaded through model control (the load API), counts against the limit, with
+    its bytes, and is unloaded for add1 at once (it is the least recently used)."""
+    root = _repository(tmp_path, 2, weights=50_000)
+    async with _on_demand(root, max_models=1) as (server, on_demand):
+        await on_demand.control.load("add0")
+        wire = WireInfer(server, on_demand=on_demand)
+        with trio.fail_after(5):
+            assert await _infer(wire, "add1", 0.0) == 1.0
+        assert server.model_names() == ["add1"]
+        loaded = {f.name: f.samples[0].value for f in on_demand.metric_families()}
+        assert loaded["orchestrion_models_loaded_bytes"] > 50_000
 
 
 async def test_the_memory_limit_counts_the_files(tmp_path: Path) -> None:
