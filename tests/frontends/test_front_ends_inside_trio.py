@@ -31,32 +31,14 @@ def _pending(server: AsyncServer, model: str) -> int:
     return server.model_statistics(model)[0].pending_request_count
 
 
-async def test_http_client_disconnect_cancels_the_work() -> None:
-    """A client that closes its connection mid-request frees the model at once (CANCELED)."""
-    async with front_ends() as (server, http_address, _):
-        host, port = http_address.rsplit(":", 1)
-        body = b'{"inputs":[{"name":"DELAY","datatype":"FP32","shape":[1],"data":[60.0]}]}'
-        stream = await trio.open_tcp_stream(host, int(port))
-        await stream.send_all(
-            b"POST /v2/models/sleepy/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
-        await wait_until(lambda: _pending(server, "sleepy") == 1)
-        await stream.aclose()
-        await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
-        stats = server.model_statistics("sleepy")[0]
-        assert stats.failures_by_reason.get("CANCELED") == 1
-
-
+@pytest.mark.parametrize("how", ["close", "reset"])
 @pytest.mark.parametrize("frontend", ["native", "python"])
-async def test_http_client_reset_mid_request_cancels_the_work_and_the_server_serves_on(
-    frontend: str,
+async def test_http_client_that_leaves_mid_request_cancels_the_work(
+    frontend: str, how: str
 ) -> None:
-    """A client that resets its connection (RST: SO_LINGER 0) while its request runs frees
-    the model, and the server answers the next client (a reset once ended the Python front
-    end's whole server)."""
+    """A client that closes its connection, or resets it (RST: SO_LINGER 0), while its
+    request runs frees the model at once (CANCELED), and the server answers the next client
+    (a reset once ended the Python front end's whole server)."""
     async with front_ends(frontend=frontend) as (server, http_address, _):
         host, port = http_address.rsplit(":", 1)
         body = b'{"inputs":[{"name":"DELAY","datatype":"FP32","shape":[1],"data":[60.0]}]}'
@@ -68,7 +50,9 @@ async def test_http_client_reset_mid_request_cancels_the_work_and_the_server_ser
             + body
         )
         await wait_until(lambda: _pending(server, "sleepy") == 1)
-        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if how == "reset":
+            linger = struct.pack("ii", 1, 0)
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
         await stream.aclose()
         await wait_until(lambda: _pending(server, "sleepy") == 0, limit=10)
         assert server.model_statistics("sleepy")[0].failures_by_reason.get("CANCELED") == 1
