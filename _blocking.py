@@ -188,6 +188,7 @@ class Server:
     cache_statistics = _on_loop(AsyncServer.cache_statistics)
     step_statistics = _on_loop(AsyncServer.step_statistics)
     cache_tier_link = _on_loop(AsyncServer.cache_tier_link)
+    metric_families = _on_loop(AsyncServer.metric_families)
     model_config = _on_loop(AsyncServer.model_config)
     model_names = _on_loop(AsyncServer.model_names)
     model_versions = _on_loop(AsyncServer.model_versions)

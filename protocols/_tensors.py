@@ -82,9 +82,15 @@ def as_bytes_array(value: Any) -> np.ndarray[Any, Any]:
 
 
 def check_inputs(  # noqa: C901 (per request: see docs/architecture.md)
-    config: ModelConfig, inputs: Mapping[str, Any], *, model: str | None = None
+    config: ModelConfig,
+    inputs: Mapping[str, Any],
+    *,
+    model: str | None = None,
+    counted: bool = True,
 ) -> dict[str, np.ndarray[Any, Any]]:
-    """Validate and normalise request inputs against ``config``.
+    """Validate and normalise request inputs against ``config``; ``counted``: a missing
+    input is also said in Triton's words (``expected ... inputs but got ...``), for a
+    client (an ensemble's step names the tensor instead).
 
     Returns:
         the inputs as numpy arrays (BYTES as ``object`` arrays of ``bytes``).
@@ -94,14 +100,7 @@ def check_inputs(  # noqa: C901 (per request: see docs/architecture.md)
             a wrong shape or a batch size out of range; the message names model and input.
     """
     label = f"model '{model or config.name}'"
-    problems: list[str] = []
-    unknown = sorted(set(inputs) - {t.name for t in config.input})
-    if unknown:
-        problems.append(
-            "unexpected inputs "
-            + ", ".join(f"'{n}'" for n in unknown)
-            + f" (inputs: {', '.join(t.name for t in config.input)})"
-        )
+    problems: list[str] = [p for p in [_unknown_inputs_problem(config, inputs)] if p]
     out: dict[str, np.ndarray[Any, Any]] = {}
     batch_sizes: set[int] = set()
     for tensor in config.input:
@@ -154,11 +153,20 @@ def check_inputs(  # noqa: C901 (per request: see docs/architecture.md)
         out[tensor.name] = array
     if len(batch_sizes) > 1:
         problems.append(f"inputs disagree on the batch size: {sorted(batch_sizes)}")
-    if any(not t.optional and inputs.get(t.name) is None for t in config.input):
+    if counted and any(not t.optional and inputs.get(t.name) is None for t in config.input):
         problems.append(_input_count_problem(config, inputs, model or config.name))
     if problems:
         raise InvalidRequestError(f"{label}: " + "; ".join(problems))
     return out
+
+
+def _unknown_inputs_problem(config: ModelConfig, inputs: Mapping[str, Any]) -> str:
+    """The inputs the model does not have, named ("": none)."""
+    unknown = sorted(set(inputs) - {t.name for t in config.input})
+    if not unknown:
+        return ""
+    names = ", ".join(f"'{n}'" for n in unknown)
+    return f"unexpected inputs {names} (inputs: {', '.join(t.name for t in config.input)})"
 
 
 def _input_count_problem(config: ModelConfig, inputs: Mapping[str, Any], model: str) -> str:
@@ -435,7 +443,7 @@ class TensorChecker:
                 else value
                 for name, value in inputs.items()
             }
-        return check_inputs(self.config, inputs)
+        return check_inputs(self.config, inputs, counted=not adapt_batching)
 
     def outputs(self, outputs: Any) -> Tensors:
         """Like `check_outputs`; raises ValueError for a bad result."""
