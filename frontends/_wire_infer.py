@@ -35,8 +35,9 @@ class WireInfer:
     server: AsyncServer
     shared_memory: SharedMemory = attrs.field(factory=SharedMemory)
     on_demand: OnDemand | None = None
-    """Loads models on first use (``--model-load-on-demand``): each request holds its model
-    while it runs (None: models are loaded by model control only)."""
+    """Loads models on first use (``--model-load-on-demand``; None: model control only).
+    A front end holds a request's model (`holding`) from before it reads the model's config;
+    a stream holds it itself, to its last response (a streamed answer outlives its route)."""
     _link: CacheTierLink = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -49,19 +50,6 @@ class WireInfer:
             OrchestrionError: as `AsyncServer.infer`, or a shared memory or classification
                 problem (named).
         """
-        if self.on_demand is None:
-            return await self._infer(wire, traceparent)
-        async with self.on_demand.using(wire.model_name):
-            return await self._infer(wire, traceparent)
-
-    def holding(self, name: str) -> contextlib.AbstractAsyncContextManager[object]:
-        """Hold model ``name`` while the block runs, loading it first when models load on
-        demand (otherwise nothing)."""
-        if self.on_demand is None:
-            return contextlib.nullcontext()
-        return self.on_demand.using(name)
-
-    async def _infer(self, wire: WireRequest, traceparent: str | None) -> InferResponse:
         with self.shared_memory.lease(wire) as lease:
             inputs = await _inputs(wire, lease)
             response = await self.server.infer(
@@ -72,14 +60,19 @@ class WireInfer:
                 CACHED_MODEL.set((response.model_name, response.model_version))
             return finished
 
+    def holding(self, name: str) -> contextlib.AbstractAsyncContextManager[object]:
+        """Hold model ``name`` while the block runs, loading it first when models load on
+        demand (otherwise nothing)."""
+        if self.on_demand is None:
+            return contextlib.nullcontext()
+        return self.on_demand.using(name)
+
     async def stream(
         self, wire: WireRequest, options: RequestOptions
     ) -> AsyncGenerator[InferResponse, None]:
         """The responses of a decoupled model to ``wire``, each finished as `infer`'s (a
         shared memory output holds the latest)."""
-        async with contextlib.AsyncExitStack() as held:
-            if self.on_demand is not None:
-                await held.enter_async_context(self.on_demand.using(wire.model_name))
+        async with self.holding(wire.model_name):
             with self.shared_memory.lease(wire) as lease:
                 inputs = await _inputs(wire, lease)
                 responses = self.server.stream_infer(wire.model_name, inputs, options=options)

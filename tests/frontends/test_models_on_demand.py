@@ -110,7 +110,8 @@ async def _infer(wire: WireInfer, name: str, x: float, delay: float = 0.0) -> fl
         inputs={"X": np.array([x], np.float32), "DELAY": np.array([delay], np.float32)},
         options=RequestOptions(),
     )
-    response = await wire.infer(request)
+    async with wire.holding(name):  # as the front ends hold a request's model
+        response = await wire.infer(request)
     return float(response.outputs["Y"][0])
 
 
