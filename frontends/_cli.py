@@ -1,11 +1,12 @@
-"""The ``orchestrion`` command: ``run`` an example pipeline, ``serve`` or ``validate`` a
-model repository.
+"""The ``orchestrion`` command: ``run`` an example pipeline, ``serve``, ``validate`` or
+``tune`` a model repository.
 
 How this works: `main` parses the command line (`_parser`: ``run``'s flags are declared in
 `_cli_run`, ``serve``'s in `_cli_flags`) and hands each command its own: ``run`` to
 `run_command`, ``serve`` to `_serve`, which runs `serve` under trio with Triton's start-up
 lines and a graceful stop at the first SIGINT or SIGTERM, ``validate`` to `_validate`,
-which reports every problem of a repository (configs, then each model's code) at once.
+which reports every problem of a repository (configs, then each model's code) at once,
+``tune`` to `tune_command`.
 Start-up errors (a bad flag, config or model, an unreachable cache) are one ``error:``
 line and exit status 2.
 """
@@ -34,6 +35,7 @@ from ..repository import CONFIG_FILE, load_model_code, scan_repository
 from ._cli_flags import add_serve_flags, serve_settings
 from ._cli_run import add_run_flags, run_command
 from ._cli_triton_flags import HelpFormatter
+from ._cli_tune import add_tune_flags, tune_command
 from ._control import Shutdown
 from ._logging import configure_logging, report_started
 from ._serve import Endpoints, ServeOptions, check_workers, serve
@@ -42,7 +44,8 @@ from ._workers import serve_workers
 _DESCRIPTION = (
     "The orchestrion command line: serve a Triton model repository over HTTP and gRPC "
     "(serve), run an example pipeline and summarise it (run), check a model repository "
-    "(validate). `orchestrion COMMAND --help` for each command's flags."
+    "(validate), find a pipeline's best configuration on this machine (tune). "
+    "`orchestrion COMMAND --help` for each command's flags."
 )
 """``orchestrion --help``'s description."""
 
@@ -65,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the model repository to check (every config, every ensemble, every model.py)",
     )
+    add_tune_flags(
+        commands.add_parser(
+            "tune",
+            help="find the best configuration of a pipeline on this machine, with a report",
+        )
+    )
     return parser
 
 
@@ -75,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return _validate(args.model_repository, console)
+        if args.command == "tune":
+            return tune_command(args, console)
         if args.command == "serve":
             options, logs = serve_settings(args, console)
             configure_logging(logs)

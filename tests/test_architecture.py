@@ -35,8 +35,10 @@ ALLOWED = {
         "protocols",
         "repository",
         "telemetry",
+        "tune",
         "__init__",
     },
+    "tune": {"_server", "protocols", "repository"},
     "__main__": {"frontends"},
 }
 PACKAGE_FOLDERS = (
@@ -47,6 +49,7 @@ PACKAGE_FOLDERS = (
     "protocols",
     "repository",
     "telemetry",
+    "tune",
 )
 MAX_COMPLEXITY = 12
 """McCabe's bound per function (``[tool.ruff.lint.mccabe]`` in pyproject.toml says the same)."""

@@ -1,0 +1,345 @@
+"""What `tune` writes: ``results.json`` (after every candidate), and at the end
+``report.md``, two plots and ``repository/`` (the best configuration, ready to serve).
+
+How this works. `write_results` dumps every measurement as it stands. `write_report` adds the
+report: the winner beside the configuration as it is (from the final check when there was
+one), every candidate's best point under the constraints, and the plots, drawn with
+matplotlib when it is installed (``pip install 'orchestrion[tune]'``; without it the report
+says so and has its tables): ``throughput_vs_p99.png`` (every measured point, the Pareto
+front marked: the points no other point beats on both throughput and p99) and
+``throughput_vs_concurrency.png`` (the three best candidates and the configuration as it
+is). ``repository/`` is a copy of the user's repository in which only the configs the
+winner changes are rewritten, each with comment lines saying what tune measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ._knobs import Candidate, Pipeline, config_texts, label, show, write_repository
+from ._measure import Point
+from ._search import CandidateResult, Constraints, Objective, SearchOutcome, Status
+
+RESULTS = "results.json"
+REPORT = "report.md"
+REPOSITORY = "repository"
+SCATTER = "throughput_vs_p99.png"
+LINES = "throughput_vs_concurrency.png"
+
+
+def _constraints(summary: Mapping[str, Any]) -> Constraints:
+    return Constraints(
+        objective=Objective(summary["objective"]),
+        max_p99_ms=summary["max_p99_ms"],
+        max_memory=summary["max_memory"],
+    )
+
+
+def write_results(
+    output: Path,
+    pipeline: Pipeline,
+    summary: Mapping[str, Any],
+    outcome: SearchOutcome,
+    started: float,
+) -> None:
+    """Write ``results.json``: the settings and every candidate measured so far."""
+    constraints = _constraints(summary)
+    document = {
+        "model": pipeline.model,
+        "model_repository": str(pipeline.root),
+        "started": _when(started),
+        "machine": _machine(),
+        "settings": dict(summary),
+        "candidates": [_result(r, constraints) for r in outcome.results],
+        "winner": {k: v for k, v in outcome.winner.items()},
+        "reason": outcome.reason,
+        "budget_ran_out": outcome.budget_ran_out,
+        "interrupted": outcome.interrupted,
+    }
+    temporary = output / f".{RESULTS}.partial"
+    temporary.write_text(json.dumps(document, indent=2) + "\n")
+    temporary.replace(output / RESULTS)
+
+
+def _result(result: CandidateResult, constraints: Constraints) -> dict[str, Any]:
+    best = result.best(constraints)
+    return {
+        "index": result.index,
+        "label": result.label,
+        "changes": dict(result.candidate),
+        "role": result.role,
+        "status": result.status.value,
+        "error": result.error,
+        "load_s": round(result.load_s, 3),
+        "seconds": round(result.seconds, 3),
+        "memory_bytes": result.memory,
+        "device_memory_bytes": result.device_memory,
+        "best_concurrency": None if best is None else best.concurrency,
+        "points": [attrs.asdict(p) for p in result.points],
+    }
+
+
+def _when(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat(timespec="seconds")
+
+
+def _machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
+
+
+def write_report(
+    output: Path,
+    pipeline: Pipeline,
+    summary: Mapping[str, Any],
+    outcome: SearchOutcome,
+    started: float,
+) -> Path:
+    """Write everything (see the module's docstring); the best repository's folder."""
+    write_results(output, pipeline, summary, outcome, started)
+    constraints = _constraints(summary)
+    plotted = _plots(output, outcome, constraints)
+    repository = output / REPOSITORY
+    texts = config_texts(pipeline, outcome.winner)
+    notes = _notes(pipeline, outcome, constraints, output)
+    write_repository(pipeline, texts, repository, notes)
+    lines = _report_lines(pipeline, summary, outcome, constraints, started, plotted)
+    (output / REPORT).write_text("\n".join(lines) + "\n")
+    return repository
+
+
+def side_by_side(
+    outcome: SearchOutcome, constraints: Constraints
+) -> tuple[CandidateResult | None, CandidateResult | None]:
+    """The configuration as it is and the winner, as the final check measured them (as
+    the search did, when there was no check)."""
+    configured = outcome.result({}, "check") or outcome.result({})
+    winner = outcome.result(outcome.winner, "check") or outcome.result(outcome.winner)
+    return configured, winner
+
+
+def _notes(
+    pipeline: Pipeline, outcome: SearchOutcome, constraints: Constraints, output: Path
+) -> dict[str, list[str]]:
+    configured, winner = side_by_side(outcome, constraints)
+    day = datetime.date.today().isoformat()
+    measured = []
+    for name, result in (("this configuration", winner), ("as configured", configured)):
+        point = None if result is None else result.best(constraints)
+        if point is not None:
+            measured.append(f"{name}: {_point_words(point)}")
+    notes: dict[str, list[str]] = {}
+    for key, value in outcome.winner.items():
+        model, _, knob = key.rpartition(".")
+        lines = notes.setdefault(model, [f"orchestrion tune, {day}: {pipeline.model}"])
+        lines.append(f"changed: {knob} = {show(value)}")
+    for lines in notes.values():
+        lines.extend(f"measured, {words}" for words in measured)
+        lines.append(f"report: {output / REPORT}")
+    return notes
+
+
+def _point_words(point: Point) -> str:
+    return (
+        f"{point.throughput:.1f} infer/s, p99 {point.p99_ms:.2f} ms at concurrency "
+        f"{point.concurrency}"
+    )
+
+
+def _report_lines(
+    pipeline: Pipeline,
+    summary: Mapping[str, Any],
+    outcome: SearchOutcome,
+    constraints: Constraints,
+    started: float,
+    plotted: str,
+) -> list[str]:
+    lines = [
+        f"# orchestrion tune: {pipeline.model}",
+        "",
+        f"- repository: `{pipeline.root}`; started {_when(started)}; machine: {_machine()}",
+        "- " + "; ".join(f"{k}: {_plain(v)}" for k, v in summary.items()),
+        f"- candidates measured: {len(outcome.results)} (the search planned "
+        f"{outcome.planned}{_again(summary)})",
+    ]
+    if outcome.budget_ran_out:
+        lines.append("- **the budget ran out**: the best configuration measured so far is kept")
+    if outcome.interrupted:
+        lines.append("- **interrupted** (Ctrl-C): this report shows what ran")
+    lines += ["", "## Result", "", f"**{label(outcome.winner)}**: {outcome.reason}.", ""]
+    lines += _side_by_side_table(outcome, constraints)
+    lines += ["", "## Every candidate", ""]
+    lines += _candidates_table(outcome.results, constraints)
+    lines += ["", "## Plots", "", plotted, "", *HOW_TO_READ]
+    return lines
+
+
+def _again(summary: Mapping[str, Any]) -> str:
+    return ", and passes again while one improves" if summary["search"] == "quick" else ""
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+def _side_by_side_table(outcome: SearchOutcome, constraints: Constraints) -> list[str]:
+    configured, winner = side_by_side(outcome, constraints)
+    rows = [("as configured", configured)]
+    if outcome.winner:
+        rows.append((label(outcome.winner), winner))
+    lines = [
+        "| configuration | measured in | concurrency | throughput (infer/s) | p50 (ms) | "
+        "p99 (ms) | memory (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, result in rows:
+        point = None if result is None else result.best(constraints)
+        if result is None or point is None:
+            lines.append(f"| {name} | - | - | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {name} | {'the final check' if result.role == 'check' else 'the search'} | "
+            f"{point.concurrency} | {point.throughput:.1f} | {point.p50_ms:.2f} | "
+            f"{point.p99_ms:.2f} | {_mib(result.memory)} |"
+        )
+    return lines
+
+
+def _candidates_table(results: Sequence[CandidateResult], constraints: Constraints) -> list[str]:
+    lines = [
+        "| # | configuration | role | status | best concurrency | throughput (infer/s) | "
+        "p99 (ms) | memory (MiB) | load (s) |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        point = result.best(constraints)
+        status = result.status.value
+        if result.error:
+            status += f": {result.error}".replace("|", "\\|").replace("\n", " ")
+        elif result.status is Status.MEASURED and point is None:
+            status += " (no point meets the constraints)"
+        cells = (
+            ("-", "-", "-")
+            if point is None
+            else (str(point.concurrency), f"{point.throughput:.1f}", f"{point.p99_ms:.2f}")
+        )
+        lines.append(
+            f"| {result.index} | {result.label} | {result.role} | {status} | "
+            f"{' | '.join(cells)} | {_mib(result.memory)} | {result.load_s:.1f} |"
+        )
+    return lines
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+HOW_TO_READ = [
+    "## How to read this",
+    "",
+    "- Each candidate was loaded in a server of its own and driven at each concurrency by "
+    "that many clients, each sending its next request when the last was answered. The first "
+    "window of each concurrency is warm-up; a point is stable when the last three windows' "
+    "throughput and mean latency are within the stability bound of their mean.",
+    "- A candidate's *best point* is its highest throughput (objective throughput) or "
+    "lowest p99 (objective latency) among its points with no failed request and within the "
+    "p99 limit; a candidate over the memory limit has none.",
+    "- The search keeps a change only when it measures more than 5% better than the best "
+    "so far; the winner and the configuration as it is are then measured again, one after "
+    "the other, and the winner is kept only if it is at least as good there.",
+    "- `repository/` is your repository with the winner's configs; each changed "
+    "`config.pbtxt` says in its first comment lines what was changed and measured.",
+]
+
+
+def _plots(output: Path, outcome: SearchOutcome, constraints: Constraints) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(no plots: matplotlib is not installed; `pip install 'orchestrion[tune]'`)"
+    measured = [r for r in outcome.results if r.points and r.role == "search"]
+    if not measured:
+        return "(no plots: no candidate was measured)"
+    _scatter(plt, output / SCATTER, measured, outcome.winner)
+    _lines(plt, output / LINES, measured, constraints)
+    return f"![throughput against p99]({SCATTER})\n\n![throughput against concurrency]({LINES})"
+
+
+def pareto(points: Sequence[Point]) -> list[Point]:
+    """The points no other point beats on both throughput and p99, by p99."""
+    front: list[Point] = []
+    for point in sorted(points, key=lambda p: (p.p99_ms, -p.throughput)):
+        if not front or point.throughput > front[-1].throughput:
+            front.append(point)
+    return front
+
+
+def _scatter(plt: Any, path: Path, results: Sequence[CandidateResult], winner: Candidate) -> None:
+    figure, axes = plt.subplots(figsize=(8, 5.5))
+    every = [p for r in results for p in r.points if p.requests]
+    for result in results:
+        points = [p for p in result.points if p.requests]
+        style = {"color": "0.7", "s": 18, "zorder": 1}
+        name = None
+        if not result.candidate:
+            style, name = {"color": "tab:blue", "s": 40, "zorder": 3}, "as configured"
+        elif dict(result.candidate) == dict(winner):
+            style, name = {"color": "tab:green", "s": 50, "zorder": 4}, "winner"
+        axes.scatter(
+            [p.p99_ms for p in points], [p.throughput for p in points], label=name, **style
+        )
+    front = pareto(every)
+    axes.plot(
+        [p.p99_ms for p in front],
+        [p.throughput for p in front],
+        color="tab:red",
+        marker="o",
+        fillstyle="none",
+        label="Pareto front",
+        zorder=2,
+    )
+    axes.set_xlabel("p99 latency (ms)")
+    axes.set_ylabel("throughput (infer/s)")
+    axes.set_title("every candidate at every concurrency (grey: the others)")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _lines(
+    plt: Any, path: Path, results: Sequence[CandidateResult], constraints: Constraints
+) -> None:
+    ranked = sorted(results, key=lambda r: r.value(constraints), reverse=True)
+    shown = ranked[:3] + [r for r in ranked[3:] if not r.candidate]
+    figure, axes = plt.subplots(figsize=(8, 5.5))
+    for result in shown:
+        points = sorted(result.points, key=lambda p: p.concurrency)
+        axes.plot(
+            [p.concurrency for p in points],
+            [p.throughput for p in points],
+            marker="o",
+            label=result.label if len(result.label) < 70 else result.label[:67] + "...",
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrency (requests in flight)")
+    axes.set_ylabel("throughput (infer/s)")
+    axes.set_title("the three best candidates and the configuration as it is")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,304 @@
+"""The search: which candidates `tune` measures, in what order, within its budget, and which
+one wins.
+
+How this works. The configuration as it is is measured first. A quick search then changes
+one knob at a time from the best configuration so far (coordinate descent), in `KNOB_NAMES`
+order, model by model, and keeps a change only when it beats the best by more than
+``improvement`` (5%: the noise of a shared machine, so that a knob that does nothing is
+left as configured); it passes over the knobs again while a pass improved anything, at most
+`QUICK_PASSES` times. A brute-force search measures every combination of the knobs' values.
+A candidate that fails to load or to answer is reported with its error and the search goes
+on.
+
+A candidate is judged by its best point that meets the constraints (no failed request, p99
+at most ``max_p99_ms``) when its memory is within ``max_memory``: the highest throughput
+(objective "throughput") or the lowest p99 (objective "latency").
+
+The budget. Everything runs within ``budget_s``. Once the configuration as it is has been
+measured, the search stops early enough to leave twice that candidate's time for the check:
+the winner and the configuration as it is measured again, one after the other, under the
+same load. The winner is kept only if the check finds it at least as good; otherwise the
+configuration stays as it is. A candidate the budget cuts short is reported as cut.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import trio
+
+from ._knobs import Candidate, Knob, label
+from ._measure import Point
+
+QUICK_PASSES = 3
+
+
+class Objective(enum.Enum):
+    """What `tune` maximises among the candidates that meet the constraints."""
+
+    THROUGHPUT = "throughput"
+    LATENCY = "latency"
+
+
+class Status(enum.Enum):
+    """How a candidate's measurement ended."""
+
+    MEASURED = "measured"
+    FAILED = "failed"
+    """It failed to load, or every request failed (``error`` says why)."""
+    CUT = "cut by the budget"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen(kw_only=True)
+class Constraints:
+    """What a candidate's point must meet, and what is maximised among those that do."""
+
+    objective: Objective = Objective.THROUGHPUT
+    max_p99_ms: float | None = None
+    max_memory: int | None = None
+    """Bytes of resident memory the candidate may add to the process."""
+    improvement: float = 0.05
+    """How much better a change must measure to be kept over the best so far."""
+
+
+@attrs.define(kw_only=True)
+class CandidateResult:
+    """One candidate's measurement."""
+
+    index: int
+    candidate: Candidate
+    status: Status = Status.MEASURED
+    error: str = ""
+    points: list[Point] = attrs.Factory(list)
+    memory: int | None = None
+    """Peak resident memory over the process's before loading, in bytes."""
+    device_memory: int | None = None
+    load_s: float = 0.0
+    seconds: float = 0.0
+    """Wall time of its load and measurement."""
+    role: str = "search"
+    """"search", or "check" (measured again at the end, beside the other of the pair)."""
+
+    @property
+    def label(self) -> str:
+        """How the report names it."""
+        return label(self.candidate)
+
+    def best(self, constraints: Constraints) -> Point | None:
+        """Its point that meets ``constraints`` and does best on their objective; None:
+        none meets them (or its memory is over the limit, or it was not measured)."""
+        if self.status is not Status.MEASURED:
+            return None
+        limit = constraints.max_memory
+        if limit is not None and self.memory is not None and self.memory > limit:
+            return None
+        ok = [p for p in self.points if _meets(p, constraints)]
+        if not ok:
+            return None
+        if constraints.objective is Objective.LATENCY:
+            return min(ok, key=lambda p: p.p99_ms)
+        return max(ok, key=lambda p: p.throughput)
+
+    def value(self, constraints: Constraints) -> float:
+        """Its objective as a number where more is better (-inf: it meets nothing)."""
+        point = self.best(constraints)
+        if point is None:
+            return -math.inf
+        if constraints.objective is Objective.LATENCY:
+            return 1000.0 / point.p99_ms if point.p99_ms > 0 else math.inf
+        return point.throughput
+
+
+def _meets(point: Point, constraints: Constraints) -> bool:
+    if point.errors or point.requests == 0:
+        return False
+    return constraints.max_p99_ms is None or point.p99_ms <= constraints.max_p99_ms
+
+
+Measure = Callable[[CandidateResult], Awaitable[None]]
+"""Load and measure one candidate, filling in its result (status, points, memory)."""
+
+Hook = Callable[[CandidateResult], None]
+"""Told of a candidate as it starts, and as it ends."""
+
+
+def _ignore(result: CandidateResult) -> None:
+    pass
+
+
+@attrs.define(kw_only=True)
+class SearchOutcome:
+    """What the search ran and what it chose."""
+
+    results: list[CandidateResult] = attrs.Factory(list)
+    winner: Candidate = attrs.Factory(dict)
+    reason: str = ""
+    """Why the winner is what it is (in words, for the report)."""
+    budget_ran_out: bool = False
+    interrupted: bool = False
+    planned: int = 0
+    """Candidates the search meant to measure (a quick search's first pass)."""
+
+    def result(self, candidate: Candidate, role: str = "search") -> CandidateResult | None:
+        """The measurement of ``candidate`` in ``role``, if it ran."""
+        for result in self.results:
+            if result.role == role and dict(result.candidate) == dict(candidate):
+                return result
+        return None
+
+
+def quick_plan(knobs: Sequence[Knob]) -> int:
+    """The candidates a quick search's first pass measures."""
+    return 1 + sum(len(knob.values) - 1 for knob in knobs)
+
+
+def brute_plan(knobs: Sequence[Knob]) -> int:
+    """The candidates a brute-force search measures."""
+    return math.prod(len(knob.values) for knob in knobs)
+
+
+async def search(
+    knobs: Sequence[Knob],
+    measure: Measure,
+    constraints: Constraints,
+    *,
+    budget_s: float,
+    brute: bool = False,
+    outcome: SearchOutcome | None = None,
+    started: Hook = _ignore,
+    finished: Hook = _ignore,
+) -> SearchOutcome:
+    """Search ``knobs`` within ``budget_s`` seconds and check the winner (see the module's
+    docstring). ``outcome`` is filled as the search goes, so that a caller cancelled
+    meanwhile still has what ran; ``started`` and ``finished`` hear of each candidate."""
+    outcome = outcome if outcome is not None else SearchOutcome()
+    outcome.planned = brute_plan(knobs) if brute else quick_plan(knobs)
+    deadline = trio.current_time() + budget_s
+    runner = _Runner(measure, outcome, constraints, started, finished, deadline)
+    with trio.move_on_at(deadline) as scope:
+        baseline = await runner.run({})
+    if scope.cancelled_caught:
+        outcome.budget_ran_out = True
+        outcome.reason = "the budget ran out before the configuration as it is was measured"
+        return outcome
+    if baseline.status is not Status.MEASURED:
+        outcome.reason = f"the configuration as it is did not run: {baseline.error}"
+        return outcome
+    runner.deadline = deadline - (2 * baseline.seconds + 1.0)
+    with trio.move_on_at(runner.deadline) as scope:
+        if brute:
+            await runner.brute(knobs)
+        else:
+            await runner.quick(knobs)
+    outcome.budget_ran_out = scope.cancelled_caught
+    await runner.check(deadline)
+    return outcome
+
+
+@attrs.define
+class _Runner:
+    measure: Measure
+    outcome: SearchOutcome
+    constraints: Constraints
+    started: Hook
+    finished: Hook
+    deadline: float = math.inf
+    """When the scope the candidates run in ends (a candidate cancelled then was cut by
+    the budget; before: cancelled by the caller)."""
+    best: CandidateResult | None = None
+
+    async def run(self, candidate: Candidate, role: str = "search") -> CandidateResult:
+        result = CandidateResult(
+            index=len(self.outcome.results), candidate=dict(candidate), role=role
+        )
+        self.outcome.results.append(result)
+        self.started(result)
+        began = time.perf_counter()
+        try:
+            await self.measure(result)
+        except BaseException:  # cancelled (alone, or in a group): it did not finish
+            over = trio.current_time() >= self.deadline
+            result.status = Status.CUT if over else Status.CANCELLED
+            raise
+        finally:
+            result.seconds = time.perf_counter() - began
+            self.finished(result)
+        if role == "search" and self._better(result):
+            self.best = result
+        return result
+
+    def _better(self, result: CandidateResult) -> bool:
+        if self.best is None:
+            return True
+        threshold = self.best.value(self.constraints) * (1 + self.constraints.improvement)
+        return result.value(self.constraints) > max(threshold, self.best.value(self.constraints))
+
+    def _seen(self, candidate: Candidate) -> bool:
+        return self.outcome.result(candidate) is not None
+
+    async def quick(self, knobs: Sequence[Knob]) -> None:
+        for _ in range(QUICK_PASSES):
+            improved = False
+            for knob in knobs:
+                for value in knob.values:
+                    assert self.best is not None
+                    candidate = dict(self.best.candidate)
+                    if value == knob.values[0]:
+                        candidate.pop(knob.key, None)
+                    else:
+                        candidate[knob.key] = value
+                    if self._seen(candidate):
+                        continue
+                    before = self.best
+                    await self.run(candidate)
+                    improved = improved or self.best is not before
+            if not improved:
+                return
+
+    async def brute(self, knobs: Sequence[Knob]) -> None:
+        for values in itertools.product(*(knob.values for knob in knobs)):
+            candidate = {
+                knob.key: value
+                for knob, value in zip(knobs, values, strict=True)
+                if value != knob.values[0]
+            }
+            if not self._seen(candidate):
+                await self.run(candidate)
+
+    async def check(self, deadline: float) -> None:
+        """Measure the winner and the configuration as it is again, one after the other,
+        and keep the winner only if it is at least as good."""
+        outcome, best = self.outcome, self.best
+        if best is None or best.value(self.constraints) == -math.inf:
+            outcome.winner = {}
+            outcome.reason = "no candidate met the constraints: the configuration stays as it is"
+            return
+        if not best.candidate:
+            outcome.winner = {}
+            outcome.reason = "no change measured better than the configuration as it is"
+            return
+        # The check may run a little past the budget rather than leave a winner unchecked.
+        self.deadline = deadline + best.seconds + 5.0
+        with trio.move_on_at(self.deadline) as scope:
+            configured = await self.run({}, "check")
+            challenger = await self.run(best.candidate, "check")
+        if scope.cancelled_caught:
+            outcome.winner = {}
+            outcome.reason = "the budget ran out before the winner was checked"
+            return
+        ours, theirs = challenger.value(self.constraints), configured.value(self.constraints)
+        if ours >= theirs and ours > -math.inf:
+            outcome.winner = dict(best.candidate)
+            outcome.reason = "the winner measured at least as well as the configuration as it is"
+        else:
+            outcome.winner = {}
+            outcome.reason = (
+                "the winner did not hold up when measured again beside the configuration as "
+                "it is: the configuration stays as it is"
+            )
