@@ -45,7 +45,8 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
     add(
         "--concurrency",
         default="1,4,16",
-        help="concurrencies to measure: a list (1,4,16) or START:END, powers of two (1:16)",
+        help="concurrencies to measure: a list (1,4,16), or START:END doubling from START "
+        "(1:16 is 1,2,4,8,16)",
     )
     add("--objective", choices=("throughput", "latency"), default="throughput")
     add("--max-p99-ms", type=float, default=None, metavar="MS", help="p99 latency limit")
@@ -53,7 +54,7 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
         "--max-memory",
         default=None,
         metavar="SIZE",
-        help="resident memory a candidate may add (bytes, or 512MiB, 2GB)",
+        help="resident memory a candidate may add, in process (bytes, or 512MiB, 2GB)",
     )
     add(
         "--knob",
@@ -87,8 +88,8 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
     add(
         "--url",
         default=None,
-        help="measure on a running server instead (http://HOST:PORT or grpc://HOST:PORT; "
-        "candidates are loaded through its model control API)",
+        help="measure on a running server instead (grpc://HOST:PORT; it must run with "
+        "--model-control-mode explicit: candidates are loaded through its load API)",
     )
 
 
@@ -102,6 +103,10 @@ def tune_settings(args: argparse.Namespace) -> TuneSettings:
         raise ConfigError("--budget must be more than 0 seconds")
     if args.measurement_interval < 10 or args.max_trials < 3:
         raise ConfigError("--measurement-interval must be at least 10 ms, --max-trials at least 3")
+    if args.stability_percentage <= 0:
+        raise ConfigError("--stability-percentage must be more than 0")
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be at least 1")
     load = LoadSettings(
         concurrency=parse_concurrency(args.concurrency),
         window_s=args.measurement_interval / 1000.0,
@@ -138,7 +143,7 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
             start, _, end = text.partition(":")
             low, high = int(start), int(end)
             values = []
-            while low <= high:
+            while 1 <= low <= high:  # doubling from START: bounded once START is 1 or more
                 values.append(low)
                 low *= 2
         else:
@@ -151,14 +156,17 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``1073741824``, ``512MiB``, ``2GB``, ``300M``.
+    """Bytes from ``1073741824``, ``512MiB``, ``2GB``, ``300M`` (K, M, G, T and KiB, MiB...
+    are powers of 1024; KB, MB, GB, TB powers of 1000).
 
     Raises:
         ConfigError: not a size.
     """
     match = _SIZE.match(text.strip())
-    if match is None:
-        raise ConfigError(f"--max-memory {text!r}: expected bytes, or a size such as 512MiB")
+    if match is None or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"--max-memory {text!r}: expected bytes, or a size such as 512MiB (more than 0)"
+        )
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     power = "BKMGT".index(unit[0])
     base = 1000 if unit.endswith("B") and "I" not in unit and power else 1024
@@ -234,7 +242,7 @@ class _Shown:
                 f"{best.throughput:.1f} infer/s, p99 {best.p99_ms:.2f} ms at concurrency "
                 f"{best.concurrency}"
             )
-        role = " (check)" if result.role == "check" else ""
+        role = f" (final round {result.final_round})" if result.role == "final" else ""
         self.console.print(f"#{result.index} {result.label}{role}: {words}", highlight=False)
 
 
@@ -246,7 +254,9 @@ def _table(result: TuneResult, constraints: Constraints) -> Table:
         )
     for item in result.results:
         point = item.best(constraints)
-        status = item.status.value + (" (check)" if item.role == "check" else "")
+        status = item.status.value
+        if item.role == "final":
+            status += f" (final round {item.final_round})"
         memory = "-" if item.memory is None else f"{item.memory / 2**20:.0f}"
         if point is None:
             table.add_row(str(item.index), item.label, status, "-", "-", "-", memory)

@@ -9,11 +9,13 @@ ensemble, ``max_inflight_requests`` and the ``fusion`` parameter. Each knob's fi
 what the config says now. `parse_knob` reads a user's ``--knob MODEL.NAME=V1,V2`` instead.
 
 A candidate's configs are written by editing Triton's own config message (``model_config_pb2``,
-parsed and printed by ``google.protobuf.text_format``), so a file changes only in the fields a
-knob names; a file no knob changed is never rewritten. `candidate_repository` lays a candidate
-out for a server to load: a folder per model whose entries are links to the user's, but for
-the config files the candidate changes. `write_repository` copies the
-whole repository for the user, with the winner's configs.
+parsed and printed by ``google.protobuf.text_format``), so a config's values change only in
+the fields a knob names; a file no knob changed is never rewritten. A rewritten file keeps
+its leading comment lines; comments inside it are lost (the printer does not keep them).
+`candidate_repository` lays a candidate out for a server to load: a folder per model whose
+entries are links to the user's, but for the config files the candidate changes.
+`write_repository` copies the pipeline's model folders for the user, with the winner's
+configs.
 """
 
 from __future__ import annotations
@@ -131,9 +133,10 @@ def discover_knobs(pipeline: Pipeline, cores: int | None = None) -> list[Knob]:
             fusion = config.parameters.get("fusion", "on")
             knobs.append(Knob(name, "fusion", _first(fusion, _MODES["fusion"])))
             continue
-        count = sum(group.count for group in config.instance_group) or 1
-        counts = [n for n in (1, 2, 4, 8) if n <= max(cores, 2)]
-        knobs.append(Knob(name, "instance_count", _first(count, counts)))
+        if len(config.instance_group) <= 1:  # several groups: which one to scale is theirs
+            count = sum(group.count for group in config.instance_group) or 1
+            counts = [n for n in (1, 2, 4, 8) if n <= max(cores, 2)]
+            knobs.append(Knob(name, "instance_count", _first(count, counts)))
         execution = config.parameters.get("execution", "auto")
         knobs.append(Knob(name, "execution", _first(execution, ("auto", "thread"))))
         if config.max_batch_size > 1 and config.sequence_batching is None:
@@ -171,6 +174,17 @@ def parse_knob(text: str, pipeline: Pipeline) -> Knob:
     if (name in _ENSEMBLE_KNOBS) != ensemble:
         kind = "an ensemble" if ensemble else "a model that is not an ensemble"
         raise ConfigError(f"--knob {text!r}: '{name}' does not apply to {kind} ('{model}')")
+    config = pipeline.configs[model]
+    if name == "instance_count" and len(config.instance_group) > 1:
+        raise ConfigError(
+            f"--knob {text!r}: '{model}' has {len(config.instance_group)} instance groups "
+            "(tune varies the count of a model with one group)"
+        )
+    if name == "max_queue_delay_us" and (config.max_batch_size <= 1 or config.sequence_batching):
+        raise ConfigError(
+            f"--knob {text!r}: '{model}' cannot batch requests dynamically "
+            "(max_batch_size must be over 1, and it must not be a sequence model)"
+        )
     values = [_value(name, item.strip(), text) for item in listed.split(",")]
     current = _configured(pipeline.configs[model], name)
     return Knob(model, name, _first(current, values))
@@ -237,8 +251,7 @@ def _apply(message: Any, name: str, value: KnobValue) -> None:
         if not groups:
             groups.add()
         assert isinstance(value, int)
-        # Several groups: the first takes the count, the others keep theirs as written.
-        groups[0].count = max(1, value - sum(g.count for g in groups[1:]))
+        groups[0].count = value  # one group (`discover_knobs` and `parse_knob` see to it)
     elif name in ("execution", "fusion"):
         message.parameters[name].string_value = str(value)
     elif name == "max_inflight_requests":
@@ -278,10 +291,14 @@ def candidate_repository(pipeline: Pipeline, texts: Mapping[str, str], into: Pat
 def write_repository(
     pipeline: Pipeline, texts: Mapping[str, str], into: Path, notes: Mapping[str, Sequence[str]]
 ) -> None:
-    """Copy the user's whole repository to ``into`` (which must not exist) with ``texts`` in
-    place of those models' configs, each headed by its ``notes`` (comment lines)."""
-    shutil.copytree(pipeline.root, into, symlinks=True)
+    """Copy the pipeline's model folders to ``into`` (which must not exist) with ``texts``
+    in place of those models' configs, each headed by its ``notes`` (comment lines).
+
+    Links are copied as the files they point to: the copy is whole on its own, and writing
+    a config never writes through a link into the user's files."""
+    into.mkdir(parents=True)
+    for model, folder in pipeline.folders.items():
+        shutil.copytree(folder, into / model, symlinks=False)
     for model, text in texts.items():
-        folder = into / model
         header = "".join(f"# {line}\n" for line in notes.get(model, ()))
-        (folder / CONFIG_FILE).write_text(header + text)
+        (into / model / CONFIG_FILE).write_text(header + text)

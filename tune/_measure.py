@@ -8,7 +8,9 @@ as 1 or as ``--shape`` says, random values of its type; BYTES as random 16-byte 
 `measure` then drives a call (`Call`: the in-process server's ``infer``, or a client's) at
 each concurrency with that many tasks that each send their next request when the last one
 is answered, as perf_analyzer's concurrency mode does. Time is cut into windows; the first
-is warm-up and never counted. A point is stable, by perf_analyzer's rule, when the
+is warm-up and never counted. When requests fail and none has been answered by the end of a
+window, the candidate fails (`AllRequestsFailed`, with the first error); otherwise failures
+are counted in the point. A point is stable, by perf_analyzer's rule, when the
 throughput and the mean latency of each of the last three windows are within ``stability``
 of those three windows' mean; after ``max_windows`` it is kept and marked unstable. The
 latency percentiles are those of every request the last three windows completed. A window
@@ -146,6 +148,7 @@ async def _measure_one(
             log.ends.append(ended)
             log.latencies.append(ended - started)
 
+    point: Point | None = None
     async with trio.open_nursery() as nursery:
         for first in range(concurrency):
             nursery.start_soon(client, first)
@@ -153,10 +156,14 @@ async def _measure_one(
             point = await _windows(log, settings, concurrency)
         finally:
             nursery.cancel_scope.cancel()
+    if point is None:  # raised here, not inside the nursery: one error, not a group
+        raise AllRequestsFailed(f"every request failed: {log.first_error}")
     return point
 
 
-async def _windows(log: _Log, settings: LoadSettings, concurrency: int) -> Point:
+async def _windows(log: _Log, settings: LoadSettings, concurrency: int) -> Point | None:
+    """The point, once stable (or after ``max_windows``); None: requests failed and none
+    was ever answered."""
     length = settings.window_s
     await trio.sleep(length)  # warm-up: never counted
     windows: list[tuple[float, float, int, int]] = []  # (start, end, first, last) answers
@@ -165,7 +172,7 @@ async def _windows(log: _Log, settings: LoadSettings, concurrency: int) -> Point
         await trio.sleep(length)
         end, last = time.perf_counter(), len(log.ends)
         if not log.ends and log.errors:
-            raise AllRequestsFailed(f"every request failed: {log.first_error}")
+            return None
         windows.append((start, end, first, last))
         if last - first < MIN_WINDOW_REQUESTS:
             length = min(length * 2, settings.window_s * 8)
@@ -206,8 +213,9 @@ def _point(
     return Point(
         concurrency=concurrency,
         throughput=(last - first) / (end - start),
-        p50_ms=float(np.percentile(latencies, 50)),
-        p99_ms=float(np.percentile(latencies, 99)),
+        # Nearest rank, as perf_analyzer reports percentiles (no interpolation).
+        p50_ms=float(np.percentile(latencies, 50, method="inverted_cdf")),
+        p99_ms=float(np.percentile(latencies, 99, method="inverted_cdf")),
         mean_ms=float(latencies.mean()),
         requests=last - first,
         errors=log.errors,

@@ -10,9 +10,9 @@ is set back on the server too; when the run ends, every model changed is loaded 
 its configured config. The load is the candidate's: a refused override fails the candidate,
 and the search goes on.
 
-Requests go through ``tritonclient`` (gRPC, or HTTP when installed), one blocking client per
-concurrent task, each call in a worker thread that trio owns and waits for (the calls time
-out after `CALL_TIMEOUT_S`). A failed call counts as a failed request. Memory is not measured
+Requests go through ``tritonclient``'s gRPC client, one per concurrent task, each call in a
+worker thread that trio owns and waits for (calls time out after `CALL_TIMEOUT_S`, loads
+after `LOAD_TIMEOUT_S`). A failed call counts as a failed request. Memory is not measured
 (the server is another process).
 """
 
@@ -36,6 +36,7 @@ from ._measure import Inputs, LoadSettings, Point, measure
 from ._search import CandidateResult, Status
 
 CALL_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 300.0
 _log = logging.getLogger("orchestrion")
 
 
@@ -44,24 +45,18 @@ class RemoteError(OrchestrionError):
 
 
 def client_module(url: str) -> tuple[Any, str]:
-    """The ``tritonclient`` module for ``url`` and the address it takes.
+    """``tritonclient.grpc`` and the address ``url`` names.
 
     Raises:
-        ConfigError: not ``http://`` or ``grpc://``, or HTTP without ``tritonclient[http]``.
+        ConfigError: not ``grpc://HOST:PORT``.
     """
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "grpc") or not parts.netloc:
-        raise ConfigError(f"--url {url!r}: expected http://HOST:PORT or grpc://HOST:PORT")
-    try:
-        if parts.scheme == "grpc":
-            import tritonclient.grpc as module
-        else:
-            import tritonclient.http as module
-    except ImportError as exc:
-        raise ConfigError(
-            f"--url {url!r}: HTTP needs tritonclient's HTTP client "
-            "(pip install 'tritonclient[http]'), or use grpc://"
-        ) from exc
+    if parts.scheme != "grpc" or not parts.netloc:
+        # Over HTTP, tritonclient's blocking client (gevent) is bound to the thread that made
+        # it, and the load runs its calls in worker threads: gRPC's client is thread-safe.
+        raise ConfigError(f"--url {url!r}: expected grpc://HOST:PORT (the server's gRPC endpoint)")
+    import tritonclient.grpc as module
+
     return module, parts.netloc
 
 
@@ -72,17 +67,13 @@ class RemoteTarget:
         self.module, self.address = client_module(url)
         self.pipeline = pipeline
         self.loaded: dict[str, str] = {}
-        """The config JSON tune loaded last, per model."""
-        self.original = {name: _json(pipeline, name, None) for name in pipeline.configs}
+        """The config JSON tune loaded last, per model (none yet: what the server runs is
+        not known, so the first candidate loads every model)."""
         self.limiter = trio.CapacityLimiter(1)
 
     def client(self) -> Any:
         """A new blocking client of the server."""
-        if self.module.__name__.endswith("grpc"):
-            return self.module.InferenceServerClient(self.address)
-        return self.module.InferenceServerClient(
-            self.address, connection_timeout=CALL_TIMEOUT_S, network_timeout=CALL_TIMEOUT_S
-        )
+        return self.module.InferenceServerClient(self.address)
 
     async def apply(self, texts: Mapping[str, str]) -> None:
         """Load every model whose wanted config differs from what was loaded last.
@@ -90,14 +81,12 @@ class RemoteTarget:
         Raises:
             RemoteError: the server refused a load (its message).
         """
-        order = sorted(
-            self.pipeline.configs, key=lambda n: (self.pipeline.configs[n].is_ensemble, n)
-        )
+        order = sorted(self.pipeline.configs, key=lambda n: (_depth(self.pipeline, n), n))
         client = self.client()
         try:
             for name in order:
                 wanted = _json(self.pipeline, name, texts.get(name))
-                if self.loaded.get(name, self.original[name]) == wanted:
+                if self.loaded.get(name) == wanted:  # the first time, every model loads
                     continue
                 await trio.to_thread.run_sync(_load, client, name, wanted)
                 self.loaded[name] = wanted
@@ -126,6 +115,15 @@ class RemoteTarget:
         return call
 
 
+def _depth(pipeline: Pipeline, name: str) -> int:
+    """0 for a model, 1 + its deepest step for an ensemble: the order loads go in."""
+    config = pipeline.configs[name]
+    if config.ensemble_scheduling is None:
+        return 0
+    steps = [s.model_name for s in config.ensemble_scheduling.step]
+    return 1 + max((_depth(pipeline, s) for s in steps if s in pipeline.configs), default=0)
+
+
 def _json(pipeline: Pipeline, name: str, text: str | None) -> str:
     if text is None:
         path = pipeline.folders[name] / CONFIG_FILE
@@ -139,7 +137,7 @@ def _json(pipeline: Pipeline, name: str, text: str | None) -> str:
 
 def _load(client: Any, name: str, config: str) -> None:
     try:
-        client.load_model(name, config=config)
+        client.load_model(name, config=config, client_timeout=LOAD_TIMEOUT_S)
     except Exception as exc:  # tritonclient's InferenceServerException, or a socket error
         raise RemoteError(f"loading '{name}' on the server failed: {exc}") from exc
 
@@ -153,9 +151,7 @@ def _infer(module: Any, client: Any, model: str, inputs: Inputs) -> object:
         tensor.set_data_from_numpy(array)
         wire.append(tensor)
     try:
-        if module.__name__.endswith("grpc"):
-            return client.infer(model, wire, client_timeout=CALL_TIMEOUT_S)
-        return client.infer(model, wire)
+        return client.infer(model, wire, client_timeout=CALL_TIMEOUT_S)
     except Exception as exc:  # tritonclient's InferenceServerException, or a socket error
         raise RemoteError(str(exc)) from exc
 
@@ -192,9 +188,10 @@ async def measure_remote(
         result.status, result.error = Status.FAILED, str(exc)
         return
     result.load_s = trio.current_time() - started
-    clients = [target.client() for _ in range(max(settings.concurrency))]
-    target.limiter.total_tokens = len(clients)
+    clients: list[Any] = []
     try:
+        clients.extend(target.client() for _ in range(max(settings.concurrency)))
+        target.limiter.total_tokens = len(clients)
         await measure(target.caller(clients), pool, settings, on_point)
     except OrchestrionError as exc:
         result.status, result.error = Status.FAILED, str(exc)

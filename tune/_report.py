@@ -2,8 +2,8 @@
 ``report.md``, two plots and ``repository/`` (the best configuration, ready to serve).
 
 How this works. `write_results` dumps every measurement as it stands. `write_report` adds the
-report: the winner beside the configuration as it is (from the final check when there was
-one), every candidate's best point under the constraints, and the plots, drawn with
+report: the finalists side by side (each final round, and their means), every candidate's
+best point under the constraints, and the plots, drawn with
 matplotlib when it is installed (``pip install 'orchestrion[tune]'``; without it the report
 says so and has its tables): ``throughput_vs_p99.png`` (every measured point, the Pareto
 front marked: the points no other point beats on both throughput and p99) and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,7 @@ def write_results(
         "candidates": [_result(r, constraints) for r in outcome.results],
         "winner": {k: v for k, v in outcome.winner.items()},
         "reason": outcome.reason,
+        "final_rounds": outcome.final_rounds,
         "budget_ran_out": outcome.budget_ran_out,
         "interrupted": outcome.interrupted,
     }
@@ -76,6 +78,7 @@ def _result(result: CandidateResult, constraints: Constraints) -> dict[str, Any]
         "label": result.label,
         "changes": dict(result.candidate),
         "role": result.role,
+        "final_round": result.final_round,
         "status": result.status.value,
         "error": result.error,
         "load_s": round(result.load_s, 3),
@@ -83,7 +86,14 @@ def _result(result: CandidateResult, constraints: Constraints) -> dict[str, Any]
         "memory_bytes": result.memory,
         "device_memory_bytes": result.device_memory,
         "best_concurrency": None if best is None else best.concurrency,
-        "points": [attrs.asdict(p) for p in result.points],
+        "points": [_finite(attrs.asdict(p)) for p in result.points],
+    }
+
+
+def _finite(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no infinity: a point with no answered request has no latency (null)."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()
     }
 
 
@@ -115,35 +125,66 @@ def write_report(
     return repository
 
 
-def side_by_side(
-    outcome: SearchOutcome, constraints: Constraints
-) -> tuple[CandidateResult | None, CandidateResult | None]:
-    """The configuration as it is and the winner, as the final check measured them (as
-    the search did, when there was no check)."""
-    configured = outcome.result({}, "check") or outcome.result({})
-    winner = outcome.result(outcome.winner, "check") or outcome.result(outcome.winner)
-    return configured, winner
+@attrs.frozen
+class Finalist:
+    """A finalist's measurements in the final rounds, side by side with the others'."""
+
+    candidate: Candidate
+    rounds: tuple[CandidateResult, ...]
+
+    def points(self, constraints: Constraints) -> list[Point | None]:
+        """Its best point in each round."""
+        return [r.best(constraints) for r in self.rounds]
+
+    def mean(self, constraints: Constraints, field: str) -> float | None:
+        """The mean of ``field`` over its rounds' best points (None: a round met nothing)."""
+        points = self.points(constraints)
+        if not points or any(p is None for p in points):
+            return None
+        return sum(float(getattr(p, field)) for p in points) / len(points)
+
+
+def finalists(outcome: SearchOutcome) -> list[Finalist]:
+    """The final rounds by finalist (the configuration as it is first); none: there were
+    no complete rounds."""
+    by_candidate: dict[str, list[CandidateResult]] = {}
+    for result in outcome.results:
+        if result.role == "final" and result.final_round <= outcome.final_rounds:
+            by_candidate.setdefault(result.label, []).append(result)
+    rounds = outcome.final_rounds
+    if not rounds:
+        return []
+    found = [Finalist(v[0].candidate, tuple(v)) for v in by_candidate.values()]
+    return sorted(found, key=lambda f: bool(f.candidate))
 
 
 def _notes(
     pipeline: Pipeline, outcome: SearchOutcome, constraints: Constraints, output: Path
 ) -> dict[str, list[str]]:
-    configured, winner = side_by_side(outcome, constraints)
     day = datetime.date.today().isoformat()
     measured = []
-    for name, result in (("this configuration", winner), ("as configured", configured)):
-        point = None if result is None else result.best(constraints)
-        if point is not None:
-            measured.append(f"{name}: {_point_words(point)}")
+    for finalist in finalists(outcome):
+        if dict(finalist.candidate) in ({}, dict(outcome.winner)):
+            name = "this configuration" if finalist.candidate else "as configured"
+            measured.append(f"{name}: {_mean_words(finalist, constraints)}")
     notes: dict[str, list[str]] = {}
     for key, value in outcome.winner.items():
         model, _, knob = key.rpartition(".")
         lines = notes.setdefault(model, [f"orchestrion tune, {day}: {pipeline.model}"])
         lines.append(f"changed: {knob} = {show(value)}")
     for lines in notes.values():
-        lines.extend(f"measured, {words}" for words in measured)
+        lines.extend(f"measured, {words}" for words in sorted(measured, reverse=True))
         lines.append(f"report: {output / REPORT}")
     return notes
+
+
+def _mean_words(finalist: Finalist, constraints: Constraints) -> str:
+    rate = finalist.mean(constraints, "throughput")
+    p99 = finalist.mean(constraints, "p99_ms")
+    rounds = len(finalist.rounds)
+    if rate is None or p99 is None:
+        return f"no point met the constraints in every one of {rounds} final rounds"
+    return f"{rate:.1f} infer/s, p99 {p99:.2f} ms (mean of {rounds} final rounds)"
 
 
 def _point_words(point: Point) -> str:
@@ -166,7 +207,8 @@ def _report_lines(
         "",
         f"- repository: `{pipeline.root}`; started {_when(started)}; machine: {_machine()}",
         "- " + "; ".join(f"{k}: {_plain(v)}" for k, v in summary.items()),
-        f"- candidates measured: {len(outcome.results)} (the search planned "
+        f"- candidates the search measured: "
+        f"{sum(r.role == 'search' for r in outcome.results)} (it planned "
         f"{outcome.planned}{_again(summary)})",
     ]
     if outcome.budget_ran_out:
@@ -192,24 +234,33 @@ def _plain(value: Any) -> str:
 
 
 def _side_by_side_table(outcome: SearchOutcome, constraints: Constraints) -> list[str]:
-    configured, winner = side_by_side(outcome, constraints)
-    rows = [("as configured", configured)]
-    if outcome.winner:
-        rows.append((label(outcome.winner), winner))
+    shown = finalists(outcome)
+    if not shown:
+        return ["(no complete final round: the search's measurements are below)"]
+    rounds = len(shown[0].rounds)
     lines = [
-        "| configuration | measured in | concurrency | throughput (infer/s) | p50 (ms) | "
-        "p99 (ms) | memory (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "The finalists, measured again in turn in each final round, under the same load "
+        "(each round's throughput at its best point):",
+        "",
+        "| finalist | mean throughput (infer/s) | mean p99 (ms) | "
+        + " | ".join(f"round {n}" for n in range(1, rounds + 1))
+        + " | memory (MiB) |",
+        "|---|---:|---:|" + "---:|" * rounds + "---:|",
     ]
-    for name, result in rows:
-        point = None if result is None else result.best(constraints)
-        if result is None or point is None:
-            lines.append(f"| {name} | - | - | - | - | - | - |")
-            continue
+    for finalist in shown:
+        rate = finalist.mean(constraints, "throughput")
+        p99 = finalist.mean(constraints, "p99_ms")
+        cells = [
+            "-" if p is None else f"{p.throughput:.1f} (c={p.concurrency})"
+            for p in finalist.points(constraints)
+        ]
+        name = label(finalist.candidate)
+        if finalist.candidate and dict(finalist.candidate) == dict(outcome.winner):
+            name = f"**{name}** (winner)"
         lines.append(
-            f"| {name} | {'the final check' if result.role == 'check' else 'the search'} | "
-            f"{point.concurrency} | {point.throughput:.1f} | {point.p50_ms:.2f} | "
-            f"{point.p99_ms:.2f} | {_mib(result.memory)} |"
+            f"| {name} | {'-' if rate is None else f'{rate:.1f}'} | "
+            f"{'-' if p99 is None else f'{p99:.2f}'} | {' | '.join(cells)} | "
+            f"{_mib(finalist.rounds[-1].memory)} |"
         )
     return lines
 
@@ -232,8 +283,9 @@ def _candidates_table(results: Sequence[CandidateResult], constraints: Constrain
             if point is None
             else (str(point.concurrency), f"{point.throughput:.1f}", f"{point.p99_ms:.2f}")
         )
+        role = f"final round {result.final_round}" if result.role == "final" else "search"
         lines.append(
-            f"| {result.index} | {result.label} | {result.role} | {status} | "
+            f"| {result.index} | {result.label} | {role} | {status} | "
             f"{' | '.join(cells)} | {_mib(result.memory)} | {result.load_s:.1f} |"
         )
     return lines
@@ -254,8 +306,10 @@ HOW_TO_READ = [
     "lowest p99 (objective latency) among its points with no failed request and within the "
     "p99 limit; a candidate over the memory limit has none.",
     "- The search keeps a change only when it measures more than 5% better than the best "
-    "so far; the winner and the configuration as it is are then measured again, one after "
-    "the other, and the winner is kept only if it is at least as good there.",
+    "so far. Its best two candidates and the configuration as it is are then measured again "
+    "in turn, in up to three final rounds; a finalist wins only if its mean over those rounds "
+    "is more than 5% better than the configuration as it is. Compare candidates by the final "
+    "rounds: two measurements of one configuration on a shared machine often differ by 10%.",
     "- `repository/` is your repository with the winner's configs; each changed "
     "`config.pbtxt` says in its first comment lines what was changed and measured.",
 ]

@@ -14,11 +14,18 @@ A candidate is judged by its best point that meets the constraints (no failed re
 at most ``max_p99_ms``) when its memory is within ``max_memory``: the highest throughput
 (objective "throughput") or the lowest p99 (objective "latency").
 
+The final rounds. A shared machine's noise between two measurements of one configuration is
+often over 10%, so the search alone does not choose: the configuration as it is and the
+search's best two (the finalists) are then measured again in turn, round after round (at most
+`FINAL_ROUNDS`), side by side under the same load. A finalist wins only if its mean over
+the complete rounds beats the configuration as it is by more than ``improvement``;
+otherwise the configuration stays as it is.
+
 The budget. Everything runs within ``budget_s``. Once the configuration as it is has been
-measured, the search stops early enough to leave twice that candidate's time for the check:
-the winner and the configuration as it is measured again, one after the other, under the
-same load. The winner is kept only if the check finds it at least as good; otherwise the
-configuration stays as it is. A candidate the budget cuts short is reported as cut.
+measured, the search stops early enough to leave one final round (three times that
+candidate's time); later rounds run while the budget lasts, and the first round may run a
+little past it rather than leave the winner unchecked. A candidate the budget cuts short is
+reported as cut.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from ._knobs import Candidate, Knob, label
 from ._measure import Point
 
 QUICK_PASSES = 3
+FINAL_ROUNDS = 3
+FINALISTS = 2
+"""Candidates besides the configuration as it is in the final rounds."""
 
 
 class Objective(enum.Enum):
@@ -83,7 +93,9 @@ class CandidateResult:
     seconds: float = 0.0
     """Wall time of its load and measurement."""
     role: str = "search"
-    """"search", or "check" (measured again at the end, beside the other of the pair)."""
+    """"search", or "final" (measured again in the final rounds)."""
+    final_round: int = 0
+    """Its final round (from 1; 0: the search)."""
 
     @property
     def label(self) -> str:
@@ -144,6 +156,11 @@ class SearchOutcome:
     interrupted: bool = False
     planned: int = 0
     """Candidates the search meant to measure (a quick search's first pass)."""
+    final_rounds: int = 0
+    """Complete final rounds (the ones compared)."""
+    leader: Candidate = attrs.Factory(dict)
+    """The search's best so far (a change kept only when it measured more than
+    ``improvement`` better): what an interrupted run writes."""
 
     def result(self, candidate: Candidate, role: str = "search") -> CandidateResult | None:
         """The measurement of ``candidate`` in ``role``, if it ran."""
@@ -190,14 +207,21 @@ async def search(
     if baseline.status is not Status.MEASURED:
         outcome.reason = f"the configuration as it is did not run: {baseline.error}"
         return outcome
-    runner.deadline = deadline - (2 * baseline.seconds + 1.0)
+    runner.deadline = deadline - ((1 + FINALISTS) * baseline.seconds + 1.0)
+    if trio.current_time() >= runner.deadline:
+        outcome.budget_ran_out = True
+        outcome.reason = (
+            "the budget leaves no time to search after measuring the configuration as it is "
+            f"({baseline.seconds:.1f} s): the configuration stays as it is"
+        )
+        return outcome
     with trio.move_on_at(runner.deadline) as scope:
         if brute:
             await runner.brute(knobs)
         else:
             await runner.quick(knobs)
     outcome.budget_ran_out = scope.cancelled_caught
-    await runner.check(deadline)
+    await runner.final_rounds(deadline)
     return outcome
 
 
@@ -213,24 +237,33 @@ class _Runner:
     the budget; before: cancelled by the caller)."""
     best: CandidateResult | None = None
 
-    async def run(self, candidate: Candidate, role: str = "search") -> CandidateResult:
+    async def run(
+        self, candidate: Candidate, role: str = "search", final_round: int = 0
+    ) -> CandidateResult:
         result = CandidateResult(
-            index=len(self.outcome.results), candidate=dict(candidate), role=role
+            index=len(self.outcome.results),
+            candidate=dict(candidate),
+            role=role,
+            final_round=final_round,
         )
         self.outcome.results.append(result)
         self.started(result)
         began = time.perf_counter()
         try:
             await self.measure(result)
-        except BaseException:  # cancelled (alone, or in a group): it did not finish
-            over = trio.current_time() >= self.deadline
-            result.status = Status.CUT if over else Status.CANCELLED
+        except BaseException as exc:
+            if _cancelled(exc):
+                over = trio.current_time() >= self.deadline
+                result.status = Status.CUT if over else Status.CANCELLED
+            else:  # a bug, not the candidate's: it is raised, and the row says so
+                result.status, result.error = Status.FAILED, repr(exc)
             raise
         finally:
             result.seconds = time.perf_counter() - began
             self.finished(result)
         if role == "search" and self._better(result):
             self.best = result
+            self.outcome.leader = dict(result.candidate)
         return result
 
     def _better(self, result: CandidateResult) -> bool:
@@ -271,34 +304,92 @@ class _Runner:
             if not self._seen(candidate):
                 await self.run(candidate)
 
-    async def check(self, deadline: float) -> None:
-        """Measure the winner and the configuration as it is again, one after the other,
-        and keep the winner only if it is at least as good."""
-        outcome, best = self.outcome, self.best
-        if best is None or best.value(self.constraints) == -math.inf:
+    def finalists(self) -> list[Candidate]:
+        """The configuration as it is, and the search's best `FINALISTS` that meet the
+        constraints."""
+        ranked = sorted(
+            (r for r in self.outcome.results if r.role == "search" and r.candidate),
+            key=lambda r: r.value(self.constraints),
+            reverse=True,
+        )
+        best = [dict(r.candidate) for r in ranked if r.value(self.constraints) > -math.inf]
+        return [{}, *best[:FINALISTS]]
+
+    async def final_rounds(self, deadline: float) -> None:
+        """Measure the finalists in turn, round after round, and choose (see the module's
+        docstring)."""
+        outcome = self.outcome
+        finalists = self.finalists()
+        if len(finalists) == 1:
             outcome.winner = {}
-            outcome.reason = "no candidate met the constraints: the configuration stays as it is"
+            outcome.reason = (
+                "the budget ran out before another candidate was measured"
+                if outcome.budget_ran_out
+                else "no other candidate met the constraints"
+            ) + ": the configuration stays as it is"
             return
-        if not best.candidate:
+        rounds: list[list[CandidateResult]] = []
+        for number in range(1, FINAL_ROUNDS + 1):
+            # The first round may run past the budget rather than leave the winner unchecked.
+            round_time = sum(self._last_seconds(c) for c in finalists)
+            self.deadline = deadline + (round_time + 5.0 if number == 1 else 0.0)
+            if number > 1 and trio.current_time() + round_time > self.deadline:
+                break
+            # Every other round in reverse order: no finalist always runs first or last.
+            order = list(range(len(finalists)))[:: 1 if number % 2 else -1]
+            measured: dict[int, CandidateResult] = {}
+            with trio.move_on_at(self.deadline):
+                for i in order:
+                    measured[i] = await self.run(finalists[i], "final", number)
+            if len(measured) < len(finalists):
+                break  # an incomplete round is not compared
+            rounds.append([measured[i] for i in range(len(finalists))])
+        self._choose(finalists, rounds)
+
+    def _last_seconds(self, candidate: Candidate) -> float:
+        times = [r.seconds for r in self.outcome.results if dict(r.candidate) == candidate]
+        return times[-1] if times else 0.0
+
+    def _choose(
+        self, finalists: Sequence[Candidate], rounds: Sequence[list[CandidateResult]]
+    ) -> None:
+        outcome = self.outcome
+        outcome.final_rounds = len(rounds)
+        if not rounds:
             outcome.winner = {}
-            outcome.reason = "no change measured better than the configuration as it is"
+            outcome.reason = (
+                "the budget ran out before a final round: the configuration stays as it is"
+            )
             return
-        # The check may run a little past the budget rather than leave a winner unchecked.
-        self.deadline = deadline + best.seconds + 5.0
-        with trio.move_on_at(self.deadline) as scope:
-            configured = await self.run({}, "check")
-            challenger = await self.run(best.candidate, "check")
-        if scope.cancelled_caught:
-            outcome.winner = {}
-            outcome.reason = "the budget ran out before the winner was checked"
-            return
-        ours, theirs = challenger.value(self.constraints), configured.value(self.constraints)
-        if ours >= theirs and ours > -math.inf:
-            outcome.winner = dict(best.candidate)
-            outcome.reason = "the winner measured at least as well as the configuration as it is"
+        means = [
+            mean_value([r[i] for r in rounds], self.constraints) for i in range(len(finalists))
+        ]
+        best = max(range(1, len(finalists)), key=lambda i: means[i])
+        threshold = means[0] * (1 + self.constraints.improvement)
+        count = f"{len(rounds)} final round{'s' if len(rounds) > 1 else ''}"
+        if means[best] > max(threshold, means[0]) and means[best] > -math.inf:
+            outcome.winner = dict(finalists[best])
+            outcome.reason = (
+                f"over {count}, it measured more than "
+                f"{self.constraints.improvement:.0%} better than the configuration as it is"
+            )
         else:
             outcome.winner = {}
             outcome.reason = (
-                "the winner did not hold up when measured again beside the configuration as "
-                "it is: the configuration stays as it is"
+                f"over {count}, no finalist measured more than "
+                f"{self.constraints.improvement:.0%} better: the configuration stays as it is"
             )
+
+
+def _cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_cancelled(inner) for inner in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+def mean_value(results: Sequence[CandidateResult], constraints: Constraints) -> float:
+    """The mean of ``results``' values (-inf when one of them meets nothing)."""
+    values = [r.value(constraints) for r in results]
+    if not values or -math.inf in values:
+        return -math.inf
+    return sum(values) / len(values)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import signal
 import tempfile
 import threading
@@ -45,6 +46,8 @@ from ._measure import LoadSettings, Point, measure, request_pool, samples_beside
 from ._remote import RemoteTarget, client_module, measure_remote, open_remote
 from ._report import write_report, write_results
 from ._search import CandidateResult, Constraints, Hook, SearchOutcome, Status, search
+
+_log = logging.getLogger("orchestrion")
 
 
 @attrs.frozen(kw_only=True)
@@ -150,6 +153,8 @@ async def tune_async(
     knobs = _knobs(pipeline, settings.knobs)
     if settings.url:
         client_module(settings.url)  # a wrong URL before anything is written
+        if settings.constraints.max_memory is not None:
+            raise ConfigError("--max-memory: memory is measured in process only (not with --url)")
     samples = settings.samples or samples_beside(model_repository)
     pool = request_pool(
         pipeline.config,
@@ -179,8 +184,13 @@ async def tune_async(
                 )
             await _search_all(candidates, knobs, outcome, begun, finished)
     if outcome.interrupted:
-        outcome.reason = "interrupted (Ctrl-C): the best configuration measured so far"
-        outcome.winner = _best_so_far(outcome, settings.constraints)
+        outcome.winner = dict(outcome.leader)
+        outcome.reason = (
+            "interrupted (Ctrl-C) before the final rounds: the search's best so far"
+            if outcome.winner
+            else "interrupted (Ctrl-C): no change had measured better, the configuration "
+            "stays as it is"
+        )
     repository = write_report(output, pipeline, summary, outcome, started)
     return TuneResult(
         output=output,
@@ -249,13 +259,6 @@ def _knobs(pipeline: Pipeline, texts: Sequence[str]) -> list[Knob]:
     return knobs
 
 
-def _best_so_far(outcome: SearchOutcome, constraints: Constraints) -> Candidate:
-    measured = [r for r in outcome.results if r.best(constraints) is not None]
-    if not measured:
-        return {}
-    return dict(max(measured, key=lambda r: r.value(constraints)).candidate)
-
-
 async def _stop_on_sigint(
     scope: trio.CancelScope,
     outcome: SearchOutcome,
@@ -311,7 +314,8 @@ class _Candidates:
                 for inputs in self.pool:
                     await server.infer(self.pipeline.model, inputs)
         except (OrchestrionError, ExceptionGroup) as exc:
-            failure(exc)  # anything but an OrchestrionError is raised
+            # Not fatal: the measurement of the configuration as it is reports it.
+            _log.warning("tune: warming up failed: %s", failure(exc))
 
     async def in_process(self, result: CandidateResult) -> None:
         """Open ``result``'s candidate in a server of its own, measure it, close it."""

@@ -1,8 +1,8 @@
 """A pipeline whose best configuration is known, for ``orchestrion tune``'s tests: ``pipe``
 (an ensemble) -> ``sleepy``, a python-backend model that sleeps 20 ms per request (a sleep
 releases the GIL, so its instances run side by side on any machine). Its parameters:
-``hold_mib`` (resident memory per instance) and ``fail_above`` (its initialize refuses more
-instances than that)."""
+``hold_mib`` (resident memory per instance), ``fail_above`` (its initialize refuses more
+instances than that) and ``broken`` ("yes": every request fails)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,17 @@ class TritonPythonModel:
             raise RuntimeError(f"refusing {count} instances (this test allows {limit})")
         # Resident memory per instance, touched so that it counts.
         self.held = np.ones(int(parameters.get("hold_mib", "0")) * 2**18, np.float32)
+        self.broken = parameters.get("broken") == "yes"
 
     def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             time.sleep(0.02)
+            if self.broken:
+                error = pb_utils.TritonError("broken on purpose")
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x + 1)]))
         return responses
 """
@@ -64,8 +69,9 @@ ensemble_scheduling {
 """
 
 
-def sleepy_repository(root: Path, **parameters: str) -> Path:
-    """The pipeline ``pipe`` -> ``sleepy`` in ``root/models``."""
+def sleepy_repository(root: Path, *, linked_config: bool = False, **parameters: str) -> Path:
+    """The pipeline ``pipe`` -> ``sleepy`` in ``root/models`` (``linked_config``: sleepy's
+    config file is a link to ``root/shared/sleepy.pbtxt``, outside the repository)."""
     extra = "".join(
         f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
         for k, v in parameters.items()
@@ -73,7 +79,13 @@ def sleepy_repository(root: Path, **parameters: str) -> Path:
     repository = root / "models"
     (repository / "sleepy" / "1").mkdir(parents=True)
     (repository / "sleepy" / "1" / "model.py").write_text(SLEEPY)
-    (repository / "sleepy" / "config.pbtxt").write_text(SLEEPY_CONFIG.format(extra=extra))
+    config = repository / "sleepy" / "config.pbtxt"
+    if linked_config:
+        (root / "shared").mkdir()
+        (root / "shared" / "sleepy.pbtxt").write_text(SLEEPY_CONFIG.format(extra=extra))
+        config.symlink_to(root / "shared" / "sleepy.pbtxt")
+    else:
+        config.write_text(SLEEPY_CONFIG.format(extra=extra))
     (repository / "pipe" / "1").mkdir(parents=True)
     (repository / "pipe" / "config.pbtxt").write_text(PIPE_CONFIG)
     return repository

@@ -132,7 +132,11 @@ def test_flags_are_checked_with_the_flag_named(
         ("--knob", "sleepy.fusion=on"): "does not apply to a model that is not an ensemble",
         ("--knob", "other.instance_count=2"): "'other' is not in the pipeline",
         ("--knob", "sleepy.instance_count=0"): "must be at least 1",
-        ("--url", "ftp://x"): "expected http://HOST:PORT or grpc://HOST:PORT",
+        ("--url", "http://127.0.0.1:8000"): "expected grpc://HOST:PORT",
+        ("--max-memory", "1GiB", "--url", "grpc://127.0.0.1:1"): "measured in process only",
+        ("--concurrency", "0:16"): "--concurrency '0:16'",
+        ("--max-memory", "0"): "--max-memory '0'",
+        ("--knob", "sleepy.max_queue_delay_us=0"): "cannot batch requests dynamically",
         ("--shape", "X:a"): "--shape 'X:a'",
         ("--budget", "0"): "--budget must be more than 0",
     }
