@@ -184,7 +184,8 @@ def _mean_words(finalist: Finalist, constraints: Constraints) -> str:
     rounds = len(finalist.rounds)
     if rate is None or p99 is None:
         return f"no point met the constraints in every one of {rounds} final rounds"
-    return f"{rate:.1f} infer/s, p99 {p99:.2f} ms (mean of {rounds} final rounds)"
+    over = "one final round" if rounds == 1 else f"the mean of {rounds} final rounds"
+    return f"{rate:.1f} infer/s, p99 {p99:.2f} ms ({over})"
 
 
 def _point_words(point: Point) -> str:
