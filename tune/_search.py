@@ -209,7 +209,8 @@ async def search(
     if baseline.status is not Status.MEASURED:
         outcome.reason = f"the configuration as it is did not run: {baseline.error}"
         return outcome
-    runner.deadline = deadline - (RESERVED_ROUNDS * (1 + FINALISTS) * baseline.seconds + 1.0)
+    round_time = 1.2 * (1 + FINALISTS) * baseline.seconds  # as `final_rounds` estimates it
+    runner.deadline = deadline - (RESERVED_ROUNDS * round_time + 1.0)
     if trio.current_time() >= runner.deadline:
         outcome.budget_ran_out = True
         outcome.reason = (
