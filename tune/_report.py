@@ -3,13 +3,14 @@
 
 How this works. `write_results` dumps every measurement as it stands. `write_report` adds the
 report: the finalists side by side (each final round, and their means), every candidate's
-best point under the constraints, and the plots, drawn with
-matplotlib when it is installed (``pip install 'orchestrion[tune]'``; without it the report
-says so and has its tables): ``throughput_vs_p99.png`` (every measured point, the Pareto
-front marked: the points no other point beats on both throughput and p99) and
-``throughput_vs_concurrency.png`` (the three best candidates and the configuration as it
-is). ``repository/`` is a copy of the user's repository in which only the configs the
-winner changes are rewritten, each with comment lines saying what tune measured.
+best point under the constraints, and the plots, drawn with matplotlib when it is installed
+(``pip install 'orchestrion[tune]'``; without it the report says so and has its tables):
+``throughput_vs_p99.png`` (every point the search measured, the Pareto front marked: the
+points no other point beats on both throughput and p99) and
+``throughput_vs_concurrency.png`` (the finalists' means over the final rounds; without final
+rounds, the search's three best and the configuration as it is). ``repository/`` is a copy
+of the pipeline's model folders in which only the configs the winner changes are rewritten,
+each with comment lines saying what tune measured.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import platform
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -213,7 +215,7 @@ def _report_lines(
         f"{outcome.planned}{_again(summary)})",
     ]
     if outcome.budget_ran_out:
-        lines.append("- **the budget ran out**: the best configuration measured so far is kept")
+        lines.append("- **the budget ran out** before the search tried all it planned")
     if outcome.interrupted:
         lines.append("- **interrupted** (Ctrl-C): this report shows what ran")
     lines += ["", "## Result", "", f"**{label(outcome.winner)}**: {outcome.reason}.", ""]
@@ -328,7 +330,7 @@ def _plots(output: Path, outcome: SearchOutcome, constraints: Constraints) -> st
     if not measured:
         return "(no plots: no candidate was measured)"
     _scatter(plt, output / SCATTER, measured, outcome.winner)
-    _lines(plt, output / LINES, measured, constraints)
+    _lines(plt, output / LINES, outcome, constraints)
     return f"![throughput against p99]({SCATTER})\n\n![throughput against concurrency]({LINES})"
 
 
@@ -367,7 +369,7 @@ def _scatter(plt: Any, path: Path, results: Sequence[CandidateResult], winner: C
     )
     axes.set_xlabel("p99 latency (ms)")
     axes.set_ylabel("throughput (infer/s)")
-    axes.set_title("every candidate at every concurrency (grey: the others)")
+    axes.set_title("every candidate at every concurrency, as the search measured it")
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -375,26 +377,43 @@ def _scatter(plt: Any, path: Path, results: Sequence[CandidateResult], winner: C
     plt.close(figure)
 
 
-def _lines(
-    plt: Any, path: Path, results: Sequence[CandidateResult], constraints: Constraints
-) -> None:
-    ranked = sorted(results, key=lambda r: r.value(constraints), reverse=True)
-    shown = ranked[:3] + [r for r in ranked[3:] if not r.candidate]
-    figure, axes = plt.subplots(figsize=(8, 5.5))
-    for result in shown:
-        points = sorted(result.points, key=lambda p: p.concurrency)
+def _lines(plt: Any, path: Path, outcome: SearchOutcome, constraints: Constraints) -> None:
+    """Throughput against concurrency: the finalists' means over the final rounds (measured
+    side by side); without final rounds, the search's three best and the configuration."""
+    shown = finalists(outcome)
+    if shown:
+        series = [(f.candidate, _mean_points(f.rounds)) for f in shown]
+        title = f"the finalists, mean of {len(shown[0].rounds)} final round(s)"
+    else:
+        measured = [r for r in outcome.results if r.points and r.role == "search"]
+        ranked = sorted(measured, key=lambda r: r.value(constraints), reverse=True)
+        picked = ranked[:3] + [r for r in ranked[3:] if not r.candidate]
+        series = [(r.candidate, {p.concurrency: p.throughput for p in r.points}) for r in picked]
+        title = "the search's three best and the configuration as it is"
+    figure, axes = plt.subplots(figsize=(8, 6.5))
+    for candidate, rates in series:
+        concurrencies = sorted(rates)
         axes.plot(
-            [p.concurrency for p in points],
-            [p.throughput for p in points],
+            concurrencies,
+            [rates[c] for c in concurrencies],
             marker="o",
-            label=result.label if len(result.label) < 70 else result.label[:67] + "...",
+            label=textwrap.fill(label(candidate), 70),
         )
     axes.set_xscale("log", base=2)
     axes.set_xlabel("concurrency (requests in flight)")
     axes.set_ylabel("throughput (infer/s)")
-    axes.set_title("the three best candidates and the configuration as it is")
+    axes.set_title(title)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.12))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _mean_points(results: Sequence[CandidateResult]) -> dict[int, float]:
+    """The mean throughput at each concurrency every one of ``results`` measured."""
+    rates: dict[int, list[float]] = {}
+    for result in results:
+        for point in result.points:
+            rates.setdefault(point.concurrency, []).append(point.throughput)
+    return {c: sum(v) / len(v) for c, v in rates.items() if len(v) == len(results)}
