@@ -21,11 +21,12 @@ search's best two (the finalists) are then measured again in turn, round after r
 the complete rounds beats the configuration as it is by more than ``improvement``;
 otherwise the configuration stays as it is.
 
-The budget. Everything runs within ``budget_s``. Once the configuration as it is has been
-measured, the search stops early enough to leave two final rounds (each three times that
-candidate's time); a third runs if the budget still allows it, and the first round may run a
-little past the budget rather than leave the winner unchecked. A candidate the budget cuts short is
-reported as cut.
+The budget. Everything runs within ``budget_s``. The search starts a candidate only while one
+more (as long as the longest so far) still leaves time for two final rounds (each three such
+candidates, and a fifth more); a hard stop, set from the first candidate's time, cuts a
+candidate that runs far longer (reported as cut). A third final round runs if the budget
+still allows it, and the first may run a little past the budget rather than leave the
+winner unchecked.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
@@ -199,7 +199,7 @@ async def search(
     outcome = outcome if outcome is not None else SearchOutcome()
     outcome.planned = brute_plan(knobs) if brute else quick_plan(knobs)
     deadline = trio.current_time() + budget_s
-    runner = _Runner(measure, outcome, constraints, started, finished, deadline)
+    runner = _Runner(measure, outcome, constraints, started, finished, deadline, deadline)
     with trio.move_on_at(deadline) as scope:
         baseline = await runner.run({})
     if scope.cancelled_caught:
@@ -223,7 +223,7 @@ async def search(
             await runner.brute(knobs)
         else:
             await runner.quick(knobs)
-    outcome.budget_ran_out = scope.cancelled_caught
+    outcome.budget_ran_out = outcome.budget_ran_out or scope.cancelled_caught
     await runner.final_rounds(deadline)
     return outcome
 
@@ -238,6 +238,8 @@ class _Runner:
     deadline: float = math.inf
     """When the scope the candidates run in ends (a candidate cancelled then was cut by
     the budget; before: cancelled by the caller)."""
+    budget_end: float = math.inf
+    """When the whole budget ends."""
     best: CandidateResult | None = None
 
     async def run(
@@ -251,7 +253,7 @@ class _Runner:
         )
         self.outcome.results.append(result)
         self.started(result)
-        began = time.perf_counter()
+        began = trio.current_time()
         try:
             await self.measure(result)
         except BaseException as exc:
@@ -262,7 +264,7 @@ class _Runner:
                 result.status, result.error = Status.FAILED, repr(exc)
             raise
         finally:
-            result.seconds = time.perf_counter() - began
+            result.seconds = trio.current_time() - began
             self.finished(result)
         if role == "search" and self._better(result):
             self.best = result
@@ -291,6 +293,8 @@ class _Runner:
                         candidate[knob.key] = value
                     if self._seen(candidate):
                         continue
+                    if not self._time_for_one():
+                        return
                     before = self.best
                     await self.run(candidate)
                     improved = improved or self.best is not before
@@ -304,8 +308,25 @@ class _Runner:
                 for knob, value in zip(knobs, values, strict=True)
                 if value != knob.values[0]
             }
-            if not self._seen(candidate):
-                await self.run(candidate)
+            if self._seen(candidate):
+                continue
+            if not self._time_for_one():
+                return
+            await self.run(candidate)
+
+    def _time_for_one(self) -> bool:
+        """Whether one more candidate, as long as the longest so far, still leaves time for
+        the final rounds (`RESERVED_ROUNDS` of them, each as long as that many of the
+        longest): a search that stops here cuts nothing short. False sets
+        ``budget_ran_out``."""
+        longest = max(
+            (r.seconds for r in self.outcome.results if r.status is Status.MEASURED), default=0.0
+        )
+        reserve = RESERVED_ROUNDS * 1.2 * (1 + FINALISTS) * longest + 1.0
+        if trio.current_time() + longest <= self.budget_end - reserve:
+            return True
+        self.outcome.budget_ran_out = True
+        return False
 
     def finalists(self) -> list[Candidate]:
         """The configuration as it is, and the search's best `FINALISTS` that meet the

@@ -182,9 +182,9 @@ async def test_a_budget_that_runs_out_writes_the_best_so_far(tmp_path: Path) -> 
     assert result.winner in [dict(r.candidate) for r in measured]
     document = json.loads((tmp_path / "report" / "results.json").read_text())
     assert document["budget_ran_out"] is True
-    statuses = {c["status"] for c in document["candidates"]}
-    # A candidate was cut, or (a slow machine) no time was left to start one.
-    assert "cut by the budget" in statuses or "no time to search" in result.reason
+    # The search stops before a candidate it could not finish (test_search_rules.py has
+    # the arithmetic); one that runs far longer than the others is cut.
+    assert {c["status"] for c in document["candidates"]} <= {"measured", "cut by the budget"}
     assert "the budget ran out" in (tmp_path / "report" / "report.md").read_text()
     assert (result.repository / "pipe" / "config.pbtxt").is_file()
 
