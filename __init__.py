@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .protocols import StepStatistics as StepStatistics
     from .protocols import TensorConfig as TensorConfig
     from .protocols import TritonClass as TritonClass
+    from .tuning import tune as tune
 
 __version__ = "0.1.0.dev0"
 
@@ -64,6 +65,7 @@ _WHERE = {
     "open_server": "._server",
     "Model": ".actors",
     "ResponseCache": ".caches",
+    "tune": ".tuning",
     **{
         name: ".protocols"
         for name in (

@@ -1,4 +1,4 @@
-"""``orchestrion tune``: find the best configuration of a pipeline (see ``orchestrion.tune``).
+"""``orchestrion tune``: find the best configuration of a pipeline (see ``orchestrion.tuning``).
 
 How this works: `add_tune_flags` declares the command's flags (perf_analyzer's names where
 it has one: ``--measurement-interval``, ``--stability-percentage``, ``--max-trials``);
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..protocols import ConfigError
-from ..tune import (
+from ..tuning import (
     CandidateResult,
     Constraints,
     LoadSettings,

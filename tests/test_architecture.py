@@ -35,10 +35,10 @@ ALLOWED = {
         "protocols",
         "repository",
         "telemetry",
-        "tune",
+        "tuning",
         "__init__",
     },
-    "tune": {"_server", "protocols", "repository"},
+    "tuning": {"_server", "protocols", "repository"},
     "__main__": {"frontends"},
 }
 PACKAGE_FOLDERS = (
@@ -49,7 +49,7 @@ PACKAGE_FOLDERS = (
     "protocols",
     "repository",
     "telemetry",
-    "tune",
+    "tuning",
 )
 MAX_COMPLEXITY = 12
 """McCabe's bound per function (``[tool.ruff.lint.mccabe]`` in pyproject.toml says the same)."""

@@ -58,6 +58,7 @@ def test_public_names() -> None:
             "TensorConfig",
             "TritonClass",
             "open_server",
+            "tune",
         ]
     )
     for name in orchestrion.__all__:

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.testing
 
-from orchestrion.tune import Constraints, Knob, Point, Status
-from orchestrion.tune._search import CandidateResult, SearchOutcome, search
+from orchestrion.tuning import Constraints, Knob, Point, Status
+from orchestrion.tuning._search import CandidateResult, SearchOutcome, search
 
 COUNT = Knob("m", "instance_count", (1, 2, 4))
 FUSION = Knob("e", "fusion", ("on", "off"))

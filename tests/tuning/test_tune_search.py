@@ -1,4 +1,4 @@
-"""`orchestrion.tune` on a pipeline whose best configuration is known: a python-backend model
+"""`orchestrion.tuning` on a pipeline whose best configuration is known: a python-backend model
 that sleeps 20 ms per request (a sleep releases the GIL, so its instances run side by side on
 any machine) behind an ensemble. With N instances it answers about N times 50 requests a
 second; ``max_inflight_requests: 1`` on the ensemble holds it to one request at a time."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrion import open_server
-from orchestrion.tune import (
+from orchestrion.tuning import (
     Constraints,
     LoadSettings,
     Status,

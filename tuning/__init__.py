@@ -1,4 +1,5 @@
-"""``orchestrion tune``: find the best configuration of a pipeline on this machine.
+"""``orchestrion tune`` (``orchestrion.tune(...)``): find the best configuration of a pipeline
+on this machine.
 
 What Triton's Model Analyzer does around Triton, in this process and in minutes: `tune` sweeps
 the knobs orchestrion honours (instance counts, where executions run, dynamic batching,

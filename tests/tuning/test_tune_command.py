@@ -16,10 +16,10 @@ import tritonclient.grpc as grpcclient
 
 from orchestrion import ConfigError, testing
 from orchestrion.frontends import main
-from orchestrion.tune import Knob
-from orchestrion.tune._knobs import config_texts, discover_knobs, parse_knob, read_pipeline
-from orchestrion.tune._measure import Point, request_pool
-from orchestrion.tune._report import pareto
+from orchestrion.tuning import Knob
+from orchestrion.tuning._knobs import config_texts, discover_knobs, parse_knob, read_pipeline
+from orchestrion.tuning._measure import Point, request_pool
+from orchestrion.tuning._report import pareto
 from support.sleepy import sleepy_repository
 
 FLAGS = ("--concurrency", "4", "--measurement-interval", "250", "--max-trials", "6")
