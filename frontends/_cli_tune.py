@@ -40,15 +40,31 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
     add("--model-repository", required=True, type=Path, metavar="DIR", help="the repository")
     add("--model", required=True, help="the model or ensemble to tune")
     add("--output", required=True, type=Path, metavar="DIR", help="a new folder for the report")
-    add("--budget", type=float, default=120.0, metavar="SECONDS", help="time for it all (120)")
-    add("--search", choices=("quick", "brute"), default="quick", help="quick (default) or brute")
+    add(
+        "--budget",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="seconds for it all (default: 120)",
+    )
+    add(
+        "--search",
+        choices=("quick", "brute"),
+        default="quick",
+        help="quick (coordinate descent) or brute (every combination) (default: quick)",
+    )
     add(
         "--concurrency",
         default="1,4,16",
-        help="concurrencies to measure: a list (1,4,16), or START:END doubling from START "
-        "(1:16 is 1,2,4,8,16)",
+        help="concurrencies to measure: a list, or START:END doubling from START (1:16 is "
+        "1,2,4,8,16) (default: 1,4,16)",
     )
-    add("--objective", choices=("throughput", "latency"), default="throughput")
+    add(
+        "--objective",
+        choices=("throughput", "latency"),
+        default="throughput",
+        help="maximise throughput, or minimise p99 latency (default: throughput)",
+    )
     add("--max-p99-ms", type=float, default=None, metavar="MS", help="p99 latency limit")
     add(
         "--max-memory",
@@ -73,7 +89,7 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
         "example's folder) defining make_inputs(index, rng); default: the example's own, or "
         "random inputs from the config",
     )
-    add("--batch-size", type=int, default=1, help="rows per generated request (1)")
+    add("--batch-size", type=int, default=1, help="rows per generated request (default: 1)")
     add(
         "--shape",
         action="append",
@@ -81,15 +97,27 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
         metavar="NAME:D1,D2",
         help="the shape of an input whose dims are -1, without the batch dimension",
     )
-    add("--measurement-interval", type=int, default=500, metavar="MS", help="window (500)")
-    add("--stability-percentage", type=float, default=10.0, help="stable within (10)")
-    add("--max-trials", type=int, default=10, help="windows per concurrency at most (10)")
-    add("--seed", type=int, default=0, help="seed of the generated requests (0)")
+    add(
+        "--measurement-interval",
+        type=int,
+        default=500,
+        metavar="MS",
+        help="measurement window (default: 500)",
+    )
+    add(
+        "--stability-percentage",
+        type=float,
+        default=10.0,
+        help="a point is stable within this spread (default: 10)",
+    )
+    add("--max-trials", type=int, default=10, help="windows per concurrency at most (default: 10)")
+    add("--seed", type=int, default=0, help="seed of the generated requests (default: 0)")
     add(
         "--url",
         default=None,
-        help="measure on a running server instead (grpc://HOST:PORT; it must run with "
-        "--model-control-mode explicit: candidates are loaded through its load API)",
+        help="measure on a running server instead (grpc://HOST:PORT or http://HOST:PORT; it "
+        "must run with --model-control-mode explicit: candidates are loaded through its load "
+        "API)",
     )
 
 
@@ -99,8 +127,6 @@ def tune_settings(args: argparse.Namespace) -> TuneSettings:
     Raises:
         ConfigError: a flag's value is invalid (the flag is named).
     """
-    if args.budget <= 0:
-        raise ConfigError("--budget must be more than 0 seconds")
     if args.measurement_interval < 10 or args.max_trials < 3:
         raise ConfigError("--measurement-interval must be at least 10 ms, --max-trials at least 3")
     if args.stability_percentage <= 0:

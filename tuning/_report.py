@@ -43,6 +43,7 @@ def _constraints(summary: Mapping[str, Any]) -> Constraints:
         objective=Objective(summary["objective"]),
         max_p99_ms=summary["max_p99_ms"],
         max_memory=summary["max_memory"],
+        improvement=summary["improvement"],
     )
 
 
@@ -185,7 +186,7 @@ def _mean_words(finalist: Finalist, constraints: Constraints) -> str:
     p99 = finalist.mean(constraints, "p99_ms")
     rounds = len(finalist.rounds)
     if rate is None or p99 is None:
-        return f"no point met the constraints in every one of {rounds} final rounds"
+        return "no point met the constraints in every final round"
     over = "one final round" if rounds == 1 else f"the mean of {rounds} final rounds"
     return f"{rate:.1f} infer/s, p99 {p99:.2f} ms ({over})"
 
@@ -215,14 +216,14 @@ def _report_lines(
         f"{outcome.planned}{_again(summary)})",
     ]
     if outcome.budget_ran_out:
-        lines.append("- **the budget ran out** before the search tried all it planned")
+        lines.append("- **the budget ran out**: the search stopped early (see the candidates)")
     if outcome.interrupted:
         lines.append("- **interrupted** (Ctrl-C): this report shows what ran")
     lines += ["", "## Result", "", f"**{label(outcome.winner)}**: {outcome.reason}.", ""]
     lines += _side_by_side_table(outcome, constraints)
     lines += ["", "## Every candidate", ""]
     lines += _candidates_table(outcome.results, constraints)
-    lines += ["", "## Plots", "", plotted, "", *HOW_TO_READ]
+    lines += ["", "## Plots", "", plotted, "", *how_to_read(constraints.improvement)]
     return lines
 
 
@@ -298,24 +299,28 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.0f}"
 
 
-HOW_TO_READ = [
-    "## How to read this",
-    "",
-    "- Each candidate was loaded in a server of its own and driven at each concurrency by "
-    "that many clients, each sending its next request when the last was answered. The first "
-    "window of each concurrency is warm-up; a point is stable when the last three windows' "
-    "throughput and mean latency are within the stability bound of their mean.",
-    "- A candidate's *best point* is its highest throughput (objective throughput) or "
-    "lowest p99 (objective latency) among its points with no failed request and within the "
-    "p99 limit; a candidate over the memory limit has none.",
-    "- The search keeps a change only when it measures more than 5% better than the best "
-    "so far. Its best two candidates and the configuration as it is are then measured again "
-    "in turn, in up to three final rounds; a finalist wins only if its mean over those rounds "
-    "is more than 5% better than the configuration as it is. Compare candidates by the final "
-    "rounds: two measurements of one configuration on a shared machine often differ by 10%.",
-    "- `repository/` is your repository with the winner's configs; each changed "
-    "`config.pbtxt` says in its first comment lines what was changed and measured.",
-]
+def how_to_read(improvement: float) -> list[str]:
+    """The report's last section, for a search that keeps changes ``improvement`` better."""
+    better = f"more than {improvement:.0%} better"
+    return [
+        "## How to read this",
+        "",
+        "- Each candidate was loaded in a server of its own and driven at each concurrency by "
+        "that many clients, each sending its next request when the last was answered. The "
+        "first window of each concurrency is warm-up; a point is stable when the last three "
+        "windows' throughput and mean latency are within the stability bound of their mean.",
+        "- A candidate's *best point* is its highest throughput (objective throughput) or "
+        "lowest p99 (objective latency) among its points with no failed request and within "
+        "the p99 limit; a candidate over the memory limit has none.",
+        f"- The search keeps a change only when it measures {better} than the best so far. "
+        "Its best two candidates and the configuration as it is are then measured again in "
+        "turn, in up to three final rounds; a finalist wins only if its mean over those rounds "
+        f"is {better} than the configuration as it is. Compare candidates by the final "
+        "rounds: two measurements of one configuration on a shared machine often differ by "
+        "10% or more.",
+        "- `repository/` holds the pipeline's model folders with the winner's configs; each "
+        "changed `config.pbtxt` says in its first comment lines what was changed and measured.",
+    ]
 
 
 def _plots(output: Path, outcome: SearchOutcome, constraints: Constraints) -> str:

@@ -195,36 +195,25 @@ async def search(
 ) -> SearchOutcome:
     """Search ``knobs`` within ``budget_s`` seconds and check the winner (see the module's
     docstring). ``outcome`` is filled as the search goes, so that a caller cancelled
-    meanwhile still has what ran; ``started`` and ``finished`` hear of each candidate."""
+    meanwhile still has what ran (and, cancelled in the final rounds, the choice its
+    complete rounds make); ``started`` and ``finished`` hear of each candidate."""
     outcome = outcome if outcome is not None else SearchOutcome()
     outcome.planned = brute_plan(knobs) if brute else quick_plan(knobs)
-    deadline = trio.current_time() + budget_s
-    runner = _Runner(measure, outcome, constraints, started, finished, deadline, deadline)
-    with trio.move_on_at(deadline) as scope:
-        baseline = await runner.run({})
-    if scope.cancelled_caught:
+    runner = _Runner(measure, outcome, constraints, started, finished)
+    runner.budget_end = trio.current_time() + budget_s
+    baseline = await runner.run({}, until=runner.budget_end)
+    if baseline.status is Status.CUT:
         outcome.budget_ran_out = True
         outcome.reason = "the budget ran out before the configuration as it is was measured"
         return outcome
     if baseline.status is not Status.MEASURED:
         outcome.reason = f"the configuration as it is did not run: {baseline.error}"
         return outcome
-    round_time = 1.2 * (1 + FINALISTS) * baseline.seconds  # as `final_rounds` estimates it
-    runner.deadline = deadline - (RESERVED_ROUNDS * round_time + 1.0)
-    if trio.current_time() >= runner.deadline:
-        outcome.budget_ran_out = True
-        outcome.reason = (
-            "the budget leaves no time to search after measuring the configuration as it is "
-            f"({baseline.seconds:.1f} s): the configuration stays as it is"
-        )
-        return outcome
-    with trio.move_on_at(runner.deadline) as scope:
-        if brute:
-            await runner.brute(knobs)
-        else:
-            await runner.quick(knobs)
-    outcome.budget_ran_out = outcome.budget_ran_out or scope.cancelled_caught
-    await runner.final_rounds(deadline)
+    if brute:
+        await runner.brute(knobs)
+    else:
+        await runner.quick(knobs)
+    await runner.final_rounds()
     return outcome
 
 
@@ -235,16 +224,21 @@ class _Runner:
     constraints: Constraints
     started: Hook
     finished: Hook
-    deadline: float = math.inf
-    """When the scope the candidates run in ends (a candidate cancelled then was cut by
-    the budget; before: cancelled by the caller)."""
     budget_end: float = math.inf
-    """When the whole budget ends."""
+    """When the whole budget ends (on trio's clock)."""
     best: CandidateResult | None = None
+    cut_round: int = 0
+    """The final round the budget cut, if one was."""
 
     async def run(
-        self, candidate: Candidate, role: str = "search", final_round: int = 0
+        self,
+        candidate: Candidate,
+        role: str = "search",
+        final_round: int = 0,
+        *,
+        until: float = math.inf,
     ) -> CandidateResult:
+        """Measure ``candidate``; one still running at ``until`` is cut (status CUT)."""
         result = CandidateResult(
             index=len(self.outcome.results),
             candidate=dict(candidate),
@@ -255,11 +249,14 @@ class _Runner:
         self.started(result)
         began = trio.current_time()
         try:
-            await self.measure(result)
+            with trio.move_on_at(until) as scope:
+                await self.measure(result)
+            if scope.cancelled_caught:
+                result.status = Status.CUT
+                self.outcome.budget_ran_out = True
         except BaseException as exc:
             if _cancelled(exc):
-                over = trio.current_time() >= self.deadline
-                result.status = Status.CUT if over else Status.CANCELLED
+                result.status = Status.CANCELLED  # by the caller (Ctrl-C)
             else:  # a bug, not the candidate's: it is raised, and the row says so
                 result.status, result.error = Status.FAILED, repr(exc)
             raise
@@ -280,7 +277,15 @@ class _Runner:
     def _seen(self, candidate: Candidate) -> bool:
         return self.outcome.result(candidate) is not None
 
+    async def _try(self, candidate: Candidate) -> bool:
+        """Measure ``candidate`` if there is time; whether the search may go on."""
+        until = self._stop_for_one()
+        if until is None:
+            return False
+        return (await self.run(candidate, until=until)).status is not Status.CUT
+
     async def quick(self, knobs: Sequence[Knob]) -> None:
+        """Coordinate descent from the best so far (see the module's docstring)."""
         for _ in range(QUICK_PASSES):
             improved = False
             for knob in knobs:
@@ -293,40 +298,40 @@ class _Runner:
                         candidate[knob.key] = value
                     if self._seen(candidate):
                         continue
-                    if not self._time_for_one():
-                        return
                     before = self.best
-                    await self.run(candidate)
+                    if not await self._try(candidate):
+                        return
                     improved = improved or self.best is not before
             if not improved:
                 return
 
     async def brute(self, knobs: Sequence[Knob]) -> None:
+        """Every combination of the knobs' values, in order."""
         for values in itertools.product(*(knob.values for knob in knobs)):
             candidate = {
                 knob.key: value
                 for knob, value in zip(knobs, values, strict=True)
                 if value != knob.values[0]
             }
-            if self._seen(candidate):
-                continue
-            if not self._time_for_one():
+            if not self._seen(candidate) and not await self._try(candidate):
                 return
-            await self.run(candidate)
 
-    def _time_for_one(self) -> bool:
-        """Whether one more candidate, as long as the longest so far, still leaves time for
-        the final rounds (`RESERVED_ROUNDS` of them, each as long as that many of the
-        longest): a search that stops here cuts nothing short. False sets
-        ``budget_ran_out``."""
-        longest = max(
+    def _longest(self) -> float:
+        return max(
             (r.seconds for r in self.outcome.results if r.status is Status.MEASURED), default=0.0
         )
-        reserve = RESERVED_ROUNDS * 1.2 * (1 + FINALISTS) * longest + 1.0
-        if trio.current_time() + longest <= self.budget_end - reserve:
-            return True
+
+    def _stop_for_one(self) -> float | None:
+        """When one more search candidate must be cut, or None (and ``budget_ran_out``):
+        no time for one. It may start if one as long as the longest so far still leaves
+        time for `RESERVED_ROUNDS` final rounds (each `FINALISTS` + 1 of the longest, and a
+        fifth more); it is cut only where it would leave less than one."""
+        one_round = 1.2 * (1 + FINALISTS) * self._longest()
+        now = trio.current_time()
+        if now + self._longest() <= self.budget_end - RESERVED_ROUNDS * one_round - 1.0:
+            return self.budget_end - one_round - 1.0
         self.outcome.budget_ran_out = True
-        return False
+        return None
 
     def finalists(self) -> list[Candidate]:
         """The configuration as it is, and the search's best `FINALISTS` that meet the
@@ -339,37 +344,50 @@ class _Runner:
         best = [dict(r.candidate) for r in ranked if r.value(self.constraints) > -math.inf]
         return [{}, *best[:FINALISTS]]
 
-    async def final_rounds(self, deadline: float) -> None:
+    async def final_rounds(self) -> None:
         """Measure the finalists in turn, round after round, and choose (see the module's
-        docstring)."""
+        docstring); cancelled (Ctrl-C), the complete rounds still choose."""
         outcome = self.outcome
         finalists = self.finalists()
         if len(finalists) == 1:
+            measured = sum(r.status is Status.MEASURED for r in outcome.results)
             outcome.winner = {}
             outcome.reason = (
-                "the budget ran out before another candidate was measured"
-                if outcome.budget_ran_out
-                else "no other candidate met the constraints"
+                "no other candidate met the constraints"
+                if measured > 1
+                else "the budget ran out before another candidate was measured"
             ) + ": the configuration stays as it is"
             return
         rounds: list[list[CandidateResult]] = []
-        for number in range(1, FINAL_ROUNDS + 1):
-            # The first round may run past the budget rather than leave the winner unchecked.
-            round_time = sum(self._last_seconds(c) for c in finalists)
-            self.deadline = deadline + (round_time + 5.0 if number == 1 else 0.0)
-            # A round that would not finish is not started (a fifth more: windows vary).
-            if number > 1 and trio.current_time() + 1.2 * round_time > self.deadline:
-                break
-            # Every other round in reverse order: no finalist always runs first or last.
-            order = list(range(len(finalists)))[:: 1 if number % 2 else -1]
-            measured: dict[int, CandidateResult] = {}
-            with trio.move_on_at(self.deadline):
-                for i in order:
-                    measured[i] = await self.run(finalists[i], "final", number)
-            if len(measured) < len(finalists):
-                break  # an incomplete round is not compared
-            rounds.append([measured[i] for i in range(len(finalists))])
-        self._choose(finalists, rounds)
+        try:
+            for number in range(1, FINAL_ROUNDS + 1):
+                measured_round = await self._round(finalists, number)
+                if measured_round is None:
+                    break
+                rounds.append(measured_round)
+                outcome.final_rounds = len(rounds)
+        finally:
+            self._choose(finalists, rounds)
+
+    async def _round(
+        self, finalists: Sequence[Candidate], number: int
+    ) -> list[CandidateResult] | None:
+        """Final round ``number``, or None: no time for it, or it was cut."""
+        estimate = 1.2 * sum(self._last_seconds(c) for c in finalists)
+        # The first round may run past the budget (by its own length and 5 s) rather than
+        # leave the winner unchecked; a later one must fit.
+        until = self.budget_end + (estimate + 5.0 if number == 1 else 0.0)
+        if number > 1 and trio.current_time() + estimate > until:
+            return None
+        # Every other round in reverse order: no finalist always runs first or last.
+        order = list(range(len(finalists)))[:: 1 if number % 2 else -1]
+        measured: dict[int, CandidateResult] = {}
+        for i in order:
+            measured[i] = await self.run(finalists[i], "final", number, until=until)
+            if measured[i].status is Status.CUT:
+                self.cut_round = number
+                return None  # an incomplete round is not compared
+        return [measured[i] for i in range(len(finalists))]
 
     def _last_seconds(self, candidate: Candidate) -> float:
         times = [r.seconds for r in self.outcome.results if dict(r.candidate) == candidate]
@@ -380,41 +398,54 @@ class _Runner:
     ) -> None:
         outcome = self.outcome
         outcome.final_rounds = len(rounds)
+        outcome.winner = {}
         if not rounds:
-            outcome.winner = {}
-            outcome.reason = (
-                "the budget ran out before a final round: the configuration stays as it is"
+            cut = (
+                f"final round {self.cut_round} was cut by the budget"
+                if self.cut_round
+                else ("no final round ran")
             )
+            outcome.reason = f"{cut}: the configuration stays as it is"
             return
-        means = [
-            mean_value([r[i] for r in rounds], self.constraints) for i in range(len(finalists))
-        ]
-        best = max(range(1, len(finalists)), key=lambda i: means[i])
-        threshold = means[0] * (1 + self.constraints.improvement)
+        scores = [score([r[i] for r in rounds], self.constraints) for i in range(len(finalists))]
+        best = max(range(1, len(finalists)), key=lambda i: scores[i])
         count = f"{len(rounds)} final round{'s' if len(rounds) > 1 else ''}"
-        if means[best] > max(threshold, means[0]) and means[best] > -math.inf:
+        better = f"{self.constraints.improvement:.0%} better"
+        if _beats(scores[best], scores[0], self.constraints):
             outcome.winner = dict(finalists[best])
             outcome.reason = (
-                f"over {count}, it measured more than "
-                f"{self.constraints.improvement:.0%} better than the configuration as it is"
+                f"over {count}, it measured more than {better} than the configuration as it is"
             )
         else:
-            outcome.winner = {}
             outcome.reason = (
-                f"over {count}, no finalist measured more than "
-                f"{self.constraints.improvement:.0%} better: the configuration stays as it is"
+                f"over {count}, no finalist measured more than {better}: the configuration "
+                "stays as it is"
             )
+
+
+def score(results: Sequence[CandidateResult], constraints: Constraints) -> float:
+    """Results' objective over rounds, more being better: the mean throughput of their best
+    points, or (objective latency) minus their mean p99; -inf when one of them meets
+    nothing."""
+    points = [r.best(constraints) for r in results]
+    if not points or any(p is None for p in points):
+        return -math.inf
+    if constraints.objective is Objective.LATENCY:
+        return -sum(p.p99_ms for p in points if p is not None) / len(points)
+    return sum(p.throughput for p in points if p is not None) / len(points)
+
+
+def _beats(challenger: float, configured: float, constraints: Constraints) -> bool:
+    """Whether ``challenger``'s `score` is more than ``improvement`` better."""
+    if challenger == -math.inf:
+        return False
+    if configured == -math.inf:
+        return True
+    margin = constraints.improvement * abs(configured)
+    return challenger > configured + margin
 
 
 def _cancelled(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_cancelled(inner) for inner in exc.exceptions)
     return isinstance(exc, trio.Cancelled)
-
-
-def mean_value(results: Sequence[CandidateResult], constraints: Constraints) -> float:
-    """The mean of ``results``' values (-inf when one of them meets nothing)."""
-    values = [r.value(constraints) for r in results]
-    if not values or -math.inf in values:
-        return -math.inf
-    return sum(values) / len(values)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import signal
 import tempfile
 import threading
@@ -43,7 +44,7 @@ from ._knobs import (
     read_pipeline,
 )
 from ._measure import LoadSettings, Point, measure, request_pool, samples_beside, sampling_memory
-from ._remote import RemoteTarget, client_module, measure_remote, open_remote
+from ._remote import RemoteTarget, check_url, measure_remote, open_remote
 from ._report import write_report, write_results
 from ._search import CandidateResult, Constraints, Hook, SearchOutcome, Status, search
 
@@ -71,8 +72,8 @@ class TuneSettings:
     """Input shapes (without the batch dimension) for dims the config leaves at -1."""
     seed: int = 0
     url: str | None = None
-    """Measure on a running server (``http://host:port`` or ``grpc://host:port``) instead
-    of in this process; it must allow explicit model control to try candidates."""
+    """Measure on a running server (``grpc://host:port`` or ``http://host:port``) instead
+    of in this process; it must run with explicit model control (candidates are loads)."""
 
 
 class Progress(Protocol):
@@ -148,11 +149,12 @@ async def tune_async(
     """
     settings = settings or TuneSettings()
     progress = progress or _Quiet()
+    _check_numbers(settings)
     pipeline = read_pipeline(model_repository, model)
     _check_output(output, model_repository)
     knobs = _knobs(pipeline, settings.knobs)
     if settings.url:
-        client_module(settings.url)  # a wrong URL before anything is written
+        check_url(settings.url)  # a wrong URL before anything is written
         if settings.constraints.max_memory is not None:
             raise ConfigError("--max-memory: memory is measured in process only (not with --url)")
     samples = settings.samples or samples_beside(model_repository)
@@ -175,23 +177,24 @@ async def tune_async(
         progress.finished(result)
         write_results(output, pipeline, summary, outcome, started)
 
-    with tempfile.TemporaryDirectory(prefix="orchestrion-tune-") as scratch:
-        async with contextlib.AsyncExitStack() as stack:
-            candidates = _Candidates(pipeline, pool, settings, Path(scratch), progress)
-            if settings.url:
-                candidates.target = await stack.enter_async_context(
-                    open_remote(settings.url, pipeline)
-                )
-            await _search_all(candidates, knobs, outcome, begun, finished)
-    if outcome.interrupted:
-        outcome.winner = dict(outcome.leader)
-        outcome.reason = (
-            "interrupted (Ctrl-C) before the final rounds: the search's best so far"
-            if outcome.winner
-            else "interrupted (Ctrl-C): no change had measured better, the configuration "
-            "stays as it is"
-        )
-    repository = write_report(output, pipeline, summary, outcome, started)
+    async with trio.open_nursery() as guard:
+        stopped = trio.CancelScope()
+        if threading.current_thread() is threading.main_thread():
+            await guard.start(_watch_sigint, stopped, outcome)
+        with tempfile.TemporaryDirectory(prefix="orchestrion-tune-") as scratch:
+            async with contextlib.AsyncExitStack() as stack:
+                candidates = _Candidates(pipeline, pool, settings, Path(scratch), progress)
+                if settings.url:
+                    candidates.target = await stack.enter_async_context(
+                        open_remote(settings.url, pipeline)
+                    )
+                with stopped:
+                    await _search_all(candidates, knobs, outcome, begun, finished)
+        # A Ctrl-C that came after the search had ended stopped nothing.
+        outcome.interrupted = stopped.cancelled_caught
+        _after_interrupt(outcome)
+        repository = write_report(output, pipeline, summary, outcome, started)
+        guard.cancel_scope.cancel()
     return TuneResult(
         output=output,
         repository=repository,
@@ -210,28 +213,39 @@ async def _search_all(
     begun: Hook,
     finished: Hook,
 ) -> None:
-    """The warm-up and the search, within the budget; Ctrl-C (in the main thread) stops
-    them with ``outcome.interrupted`` set."""
+    """The warm-up and the search, within the budget."""
     settings = candidates.settings
     measure_one = candidates.remote if candidates.target is not None else candidates.in_process
-    async with trio.open_nursery() as nursery:
-        if threading.current_thread() is threading.main_thread():
-            await nursery.start(_stop_on_sigint, nursery.cancel_scope, outcome)
-        began = trio.current_time()
-        if candidates.target is None:
-            with trio.move_on_after(settings.budget_s):
-                await candidates.warm_up()
-        await search(
-            knobs,
-            measure_one,
-            settings.constraints,
-            budget_s=settings.budget_s - (trio.current_time() - began),
-            brute=settings.brute,
-            outcome=outcome,
-            started=begun,
-            finished=finished,
-        )
-        nursery.cancel_scope.cancel()
+    began = trio.current_time()
+    if candidates.target is None:
+        with trio.move_on_after(settings.budget_s):
+            await candidates.warm_up()
+    await search(
+        knobs,
+        measure_one,
+        settings.constraints,
+        budget_s=settings.budget_s - (trio.current_time() - began),
+        brute=settings.brute,
+        outcome=outcome,
+        started=begun,
+        finished=finished,
+    )
+
+
+def _after_interrupt(outcome: SearchOutcome) -> None:
+    """What an interrupted run keeps: the choice of the final rounds that completed, or else
+    the search's leader (a change that measured more than ``improvement`` better)."""
+    if not outcome.interrupted:
+        return
+    if outcome.final_rounds:
+        outcome.reason = f"interrupted (Ctrl-C) in the final rounds; {outcome.reason}"
+        return
+    outcome.winner = dict(outcome.leader)
+    outcome.reason = (
+        "interrupted (Ctrl-C) before the final rounds: the search's best so far, unchecked"
+        if outcome.winner
+        else "interrupted (Ctrl-C): no change had measured better, the configuration stays as it is"
+    )
 
 
 def _check_output(output: Path, root: Path) -> None:
@@ -242,6 +256,18 @@ def _check_output(output: Path, root: Path) -> None:
         raise ConfigError(
             f"--output {output}: inside the model repository {root} (tune never writes there)"
         )
+
+
+def _check_numbers(settings: TuneSettings) -> None:
+    limits = settings.constraints
+    if not (math.isfinite(settings.budget_s) and settings.budget_s > 0):
+        raise ConfigError(f"--budget {settings.budget_s}: must be a number of seconds over 0")
+    if limits.max_p99_ms is not None and not (
+        math.isfinite(limits.max_p99_ms) and limits.max_p99_ms > 0
+    ):
+        raise ConfigError(f"--max-p99-ms {limits.max_p99_ms}: must be a number over 0")
+    if limits.max_memory is not None and limits.max_memory <= 0:
+        raise ConfigError(f"--max-memory {limits.max_memory}: must be over 0 bytes")
 
 
 def _make_output(output: Path) -> None:
@@ -259,18 +285,22 @@ def _knobs(pipeline: Pipeline, texts: Sequence[str]) -> list[Knob]:
     return knobs
 
 
-async def _stop_on_sigint(
-    scope: trio.CancelScope,
+async def _watch_sigint(
+    stopped: trio.CancelScope,
     outcome: SearchOutcome,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """The first Ctrl-C (SIGINT) stops the search (``stopped``); the report of what ran is
+    then written. A second one while that happens interrupts it (KeyboardInterrupt):
+    ``results.json`` already holds every candidate that ran."""
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         task_status.started()
         async for _ in signals:
+            if outcome.interrupted:
+                raise KeyboardInterrupt
             outcome.interrupted = True
-            scope.cancel()
-            return
+            stopped.cancel()
 
 
 def settings_summary(settings: TuneSettings, samples: Path | None) -> dict[str, Any]:
@@ -286,6 +316,7 @@ def settings_summary(settings: TuneSettings, samples: Path | None) -> dict[str, 
         "objective": constraints.objective.value,
         "max_p99_ms": constraints.max_p99_ms,
         "max_memory": constraints.max_memory,
+        "improvement": constraints.improvement,
         "requests": str(samples) if samples else "generated from the config",
         "batch_size": settings.batch_size,
         "url": settings.url,
@@ -307,7 +338,8 @@ class _Candidates:
     async def warm_up(self) -> None:
         """Open the configuration as it is once, unmeasured, and send each request once: the
         process's one-time costs (JAX's runtime, imports, caches) then count against no
-        candidate's memory or load time. Errors are left for the measurement to report."""
+        candidate's memory or load time. The model's own errors are logged and left for the
+        measurement to report; any other error is raised."""
         folder = candidate_repository(self.pipeline, {}, self.scratch / "warm-up")
         try:
             async with open_server(folder, load_models=[self.pipeline.model]) as server:

@@ -247,7 +247,7 @@ def test_every_cli_flag_has_help_with_its_default() -> None:
     top-level help names every command."""
     parser = _parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert all(name in (parser.description or "") for name in ("serve", "run", "validate"))
+    assert all(name in (parser.description or "") for name in ("serve", "run", "validate", "tune"))
     missing = []
     for name, command in commands.choices.items():
         for action in command._actions:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.testing
 
-from orchestrion.tuning import Constraints, Knob, Point, Status
+from orchestrion.tuning import Constraints, Knob, Objective, Point, Status
 from orchestrion.tuning._search import CandidateResult, SearchOutcome, search
 
 COUNT = Knob("m", "instance_count", (1, 2, 4))
@@ -172,3 +172,71 @@ async def test_a_configuration_that_cannot_run_ends_the_search(
     await search([COUNT], broken, Constraints(), budget_s=1000, outcome=outcome)
     assert [r.status for r in outcome.results] == [Status.FAILED]
     assert outcome.reason == "the configuration as it is did not run: refused"
+
+
+async def test_a_candidate_a_little_longer_than_the_first_is_not_cut(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    knobs = [Knob("m", "instance_count", tuple(range(1, 30)))]
+    measure = synthetic(landscape, lambda c: 2.0 if not c else 2.6)
+    outcome = await search(knobs, measure, Constraints(), budget_s=60, brute=True)
+    assert outcome.budget_ran_out
+    assert all(r.status is Status.MEASURED for r in outcome.results)
+    assert outcome.final_rounds == 2
+
+
+async def test_the_latency_objective_compares_mean_p99(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One round fast, one slow: a finalist whose p99 is 5, 30, 5 ms (mean 13.3) does not
+    beat 10, 10, 10 ms, though its mean of 1000/p99 is higher."""
+    p99s = {(): [10.0] * 4, (("m.instance_count", 2),): [4.0, 5.0, 30.0, 5.0]}
+    seen: dict[tuple[tuple[str, object], ...], int] = {}
+
+    async def measure(result: CandidateResult) -> None:
+        key = tuple(sorted(result.candidate.items()))
+        count = seen[key] = seen.get(key, -1) + 1
+        await trio.sleep(1)
+        result.points = [point(100.0, p99s.get(key, [50.0] * 4)[count])]
+
+    latency = Constraints(objective=Objective.LATENCY)
+    outcome = await search([COUNT], measure, latency, budget_s=1000)
+    assert outcome.leader == {"m.instance_count": 2}  # 4 ms in the search
+    assert outcome.final_rounds == 3
+    assert outcome.winner == {}
+
+
+async def test_a_final_round_the_budget_cuts_is_not_compared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def measure(result: CandidateResult) -> None:
+        # The finalists' first final-round measurement hangs far past the budget.
+        await trio.sleep(1000.0 if result.role == "final" and result.candidate else 2.0)
+        result.points = [point(landscape(dict(result.candidate), 0))]
+
+    outcome = await search([COUNT], measure, Constraints(), budget_s=60)
+    assert outcome.final_rounds == 0
+    assert outcome.budget_ran_out
+    assert outcome.winner == {}
+    assert outcome.reason == "final round 1 was cut by the budget: the configuration stays as it is"
+    assert [r.status for r in outcome.results if r.role == "final"][-1] is Status.CUT
+
+
+async def test_stopped_in_the_final_rounds_the_complete_rounds_still_choose(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    outcome = SearchOutcome()
+    measure = synthetic(landscape)
+    with trio.CancelScope() as scope:
+
+        def started(result: CandidateResult) -> None:
+            if result.final_round == 2:
+                scope.cancel()  # as Ctrl-C does, in the second round
+
+        await search(
+            [COUNT], measure, Constraints(), budget_s=1000, outcome=outcome, started=started
+        )
+    assert scope.cancelled_caught
+    assert outcome.final_rounds == 1
+    assert outcome.winner == {"m.instance_count": 4}
+    assert outcome.results[-1].status is Status.CANCELLED

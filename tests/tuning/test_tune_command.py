@@ -86,15 +86,15 @@ def test_ctrl_c_stops_the_search_and_writes_the_report_of_what_ran(tmp_path: Pat
     assert "interrupted" in printed
 
 
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
 def test_tune_against_a_running_server_loads_each_candidate_and_restores_the_config(
-    tmp_path: Path,
+    tmp_path: Path, scheme: str
 ) -> None:
+    """The server starts with no model loaded: the first candidate loads the pipeline."""
     repository = sleepy_repository(tmp_path)
-    served = testing.start_server(
-        "--model-control-mode", "explicit", "--load-model", "pipe", repository=repository
-    )
+    served = testing.start_server("--model-control-mode", "explicit", repository=repository)
     try:
-        url = f"grpc://{served.grpc}"
+        url = f"{scheme}://{served.grpc if scheme == 'grpc' else served.http}"
         code = main(
             [
                 *tune_command(repository, tmp_path / "report", "--url", url)[3:],
@@ -132,13 +132,15 @@ def test_flags_are_checked_with_the_flag_named(
         ("--knob", "sleepy.fusion=on"): "does not apply to a model that is not an ensemble",
         ("--knob", "other.instance_count=2"): "'other' is not in the pipeline",
         ("--knob", "sleepy.instance_count=0"): "must be at least 1",
-        ("--url", "http://127.0.0.1:8000"): "expected grpc://HOST:PORT",
+        ("--url", "ftp://127.0.0.1:8000"): "expected grpc://HOST:PORT or http://HOST:PORT",
         ("--max-memory", "1GiB", "--url", "grpc://127.0.0.1:1"): "measured in process only",
         ("--concurrency", "0:16"): "--concurrency '0:16'",
         ("--max-memory", "0"): "--max-memory '0'",
         ("--knob", "sleepy.max_queue_delay_us=0"): "cannot batch requests dynamically",
         ("--shape", "X:a"): "--shape 'X:a'",
-        ("--budget", "0"): "--budget must be more than 0",
+        ("--budget", "0"): "--budget 0.0: must be a number of seconds over 0",
+        ("--budget", "nan"): "--budget nan: must be a number of seconds over 0",
+        ("--max-p99-ms", "inf"): "--max-p99-ms inf: must be a number over 0",
     }
     for flags, words in cases.items():
         assert main([*base, *flags]) == 2, flags
