@@ -89,6 +89,12 @@ def add_tune_flags(command: argparse.ArgumentParser) -> None:
         "example's folder) defining make_inputs(index, rng); default: the example's own, or "
         "random inputs from the config",
     )
+    _add_load_flags(command)
+
+
+def _add_load_flags(command: argparse.ArgumentParser) -> None:
+    """The flags of the load: the requests, the windows, where it runs."""
+    add = command.add_argument
     add("--batch-size", type=int, default=1, help="rows per generated request (default: 1)")
     add(
         "--shape",

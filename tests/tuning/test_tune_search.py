@@ -167,14 +167,14 @@ async def test_a_candidate_that_fails_to_load_is_reported_and_the_search_goes_on
 
 
 async def test_a_budget_that_runs_out_writes_the_best_so_far(tmp_path: Path) -> None:
-    """16 combinations planned, each about 1.5 s, and 30 s: the search stops early enough
+    """25 combinations planned, each about 1.1 s, and 30 s: the search stops early enough
     for two final rounds, and what it found is written."""
     repository = sleepy_repository(tmp_path)
     settings = TuneSettings(
         budget_s=30,
         brute=True,
         load=FAST,
-        knobs=("sleepy.instance_count=2,3,4", "pipe.max_inflight_requests=1,2,8"),
+        knobs=("sleepy.instance_count=2,3,4,5", "pipe.max_inflight_requests=1,2,4,8"),
     )
     began = time.monotonic()
     result = await tune_async(repository, "pipe", tmp_path / "report", settings)
@@ -182,7 +182,7 @@ async def test_a_budget_that_runs_out_writes_the_best_so_far(tmp_path: Path) -> 
 
     assert result.budget_ran_out
     search = [r for r in result.results if r.role == "search"]
-    assert 2 <= len(search) < 16
+    assert 2 <= len(search) < 25
     assert search[0].status is Status.MEASURED  # the configuration as it is
     assert elapsed < 30 + 15  # the first final round may run past by its own length
     document = json.loads((tmp_path / "report" / "results.json").read_text())
