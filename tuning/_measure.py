@@ -111,19 +111,17 @@ async def measure(
     call: Call,
     pool: Sequence[Inputs],
     settings: LoadSettings,
-    on_point: Callable[[Point], None] = lambda point: None,
-) -> list[Point]:
-    """Every concurrency of ``settings``, measured in turn.
+    on_point: Callable[[Point], None],
+) -> None:
+    """Every concurrency of ``settings``, measured in turn, each point given to ``on_point``
+    as it is measured (a run cut short keeps the points before).
 
     Raises:
-        AllRequestsFailed: a whole window failed (the first error is in the message).
+        AllRequestsFailed: requests failed and none was answered (the first error is in
+            the message).
     """
-    points = []
     for concurrency in settings.concurrency:
-        point = await _measure_one(call, pool, settings, concurrency)
-        on_point(point)
-        points.append(point)
-    return points
+        on_point(await _measure_one(call, pool, settings, concurrency))
 
 
 async def _measure_one(

@@ -29,7 +29,7 @@ import attrs
 
 from ._knobs import Candidate, Pipeline, config_texts, label, show, write_repository
 from ._measure import Point
-from ._search import CandidateResult, Constraints, Objective, SearchOutcome, Status
+from ._search import CandidateResult, Constraints, SearchOutcome, Status
 
 RESULTS = "results.json"
 REPORT = "report.md"
@@ -38,24 +38,16 @@ SCATTER = "throughput_vs_p99.png"
 LINES = "throughput_vs_concurrency.png"
 
 
-def _constraints(summary: Mapping[str, Any]) -> Constraints:
-    return Constraints(
-        objective=Objective(summary["objective"]),
-        max_p99_ms=summary["max_p99_ms"],
-        max_memory=summary["max_memory"],
-        improvement=summary["improvement"],
-    )
-
-
 def write_results(
     output: Path,
     pipeline: Pipeline,
     summary: Mapping[str, Any],
+    constraints: Constraints,
     outcome: SearchOutcome,
     started: float,
 ) -> None:
-    """Write ``results.json``: the settings and every candidate measured so far."""
-    constraints = _constraints(summary)
+    """Write ``results.json``: the settings (``summary``) and every candidate measured so
+    far, judged by ``constraints``."""
     document = {
         "model": pipeline.model,
         "model_repository": str(pipeline.root),
@@ -112,12 +104,12 @@ def write_report(
     output: Path,
     pipeline: Pipeline,
     summary: Mapping[str, Any],
+    constraints: Constraints,
     outcome: SearchOutcome,
     started: float,
 ) -> Path:
     """Write everything (see the module's docstring); the best repository's folder."""
-    write_results(output, pipeline, summary, outcome, started)
-    constraints = _constraints(summary)
+    write_results(output, pipeline, summary, constraints, outcome, started)
     plotted = _plots(output, outcome, constraints)
     repository = output / REPOSITORY
     texts = config_texts(pipeline, outcome.winner)

@@ -120,12 +120,13 @@ class CandidateResult:
         return max(ok, key=lambda p: p.throughput)
 
     def value(self, constraints: Constraints) -> float:
-        """Its objective as a number where more is better (-inf: it meets nothing)."""
+        """Its objective as a number where more is better: its best point's throughput, or
+        (objective latency) minus its p99; -inf when it meets nothing."""
         point = self.best(constraints)
         if point is None:
             return -math.inf
         if constraints.objective is Objective.LATENCY:
-            return 1000.0 / point.p99_ms if point.p99_ms > 0 else math.inf
+            return -point.p99_ms
         return point.throughput
 
 
@@ -271,8 +272,9 @@ class _Runner:
     def _better(self, result: CandidateResult) -> bool:
         if self.best is None:
             return True
-        threshold = self.best.value(self.constraints) * (1 + self.constraints.improvement)
-        return result.value(self.constraints) > max(threshold, self.best.value(self.constraints))
+        return _beats(
+            result.value(self.constraints), self.best.value(self.constraints), self.constraints
+        )
 
     def _seen(self, candidate: Candidate) -> bool:
         return self.outcome.result(candidate) is not None
@@ -424,15 +426,12 @@ class _Runner:
 
 
 def score(results: Sequence[CandidateResult], constraints: Constraints) -> float:
-    """Results' objective over rounds, more being better: the mean throughput of their best
-    points, or (objective latency) minus their mean p99; -inf when one of them meets
-    nothing."""
-    points = [r.best(constraints) for r in results]
-    if not points or any(p is None for p in points):
+    """The mean `CandidateResult.value` of ``results`` (one candidate over the final
+    rounds); -inf when one of them meets nothing."""
+    values = [r.value(constraints) for r in results]
+    if not values or -math.inf in values:
         return -math.inf
-    if constraints.objective is Objective.LATENCY:
-        return -sum(p.p99_ms for p in points if p is not None) / len(points)
-    return sum(p.throughput for p in points if p is not None) / len(points)
+    return sum(values) / len(values)
 
 
 def _beats(challenger: float, configured: float, constraints: Constraints) -> bool:

@@ -175,7 +175,7 @@ async def tune_async(
 
     def finished(result: CandidateResult) -> None:
         progress.finished(result)
-        write_results(output, pipeline, summary, outcome, started)
+        write_results(output, pipeline, summary, settings.constraints, outcome, started)
 
     async with trio.open_nursery() as guard:
         stopped = trio.CancelScope()
@@ -193,7 +193,7 @@ async def tune_async(
         # A Ctrl-C that came after the search had ended stopped nothing.
         outcome.interrupted = stopped.cancelled_caught
         _after_interrupt(outcome)
-        repository = write_report(output, pipeline, summary, outcome, started)
+        repository = write_report(output, pipeline, summary, settings.constraints, outcome, started)
         guard.cancel_scope.cancel()
     return TuneResult(
         output=output,
