@@ -181,5 +181,9 @@ def test_images_enter_orchestrion_serve(name: str) -> None:
     assert (repositories(args), args.host) == (["/models"], "0.0.0.0")
     assert re.search(r"^EXPOSE 8000 8001 8002$", dockerfile, flags=re.MULTILINE)
     assert re.search(r"^USER 1000$", dockerfile, flags=re.MULTILINE)
-    if name.endswith(".cuda"):
-        assert "[cuda]" in dockerfile  # orchestrion[cuda]: JAX with its CUDA plugin
+    # orchestrion[cuda] (JAX with its CUDA plugin) in the CUDA image only; ONNX Runtime in both.
+    extras = re.search(r"^ARG EXTRAS=(.*)$", dockerfile, flags=re.MULTILINE)
+    assert extras is not None
+    assert set(extras.group(1).split(",")) == (
+        {"cuda", "onnx"} if name.endswith(".cuda") else {"onnx"}
+    )
