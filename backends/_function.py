@@ -10,14 +10,8 @@ Instances follow ``instance_group``: one per device (a JAX device; KIND_GPU plac
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import itertools
-import sys
-import threading
 from collections.abc import Callable, Hashable, Mapping
-from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -33,101 +27,10 @@ from ..protocols import (
     apply_reshape,
 )
 from ._base import Backend, LoadedInstance
+from ._code_files import forget_code
 
 if TYPE_CHECKING:
     from ..protocols import Model
-
-
-_module_ids = itertools.count()
-
-
-_MODELS = "_orchestrion_models"
-_IMPORTING = threading.Lock()
-"""One model's code is imported at a time: the import path is changed while it is."""
-
-
-class CallersModel(ModuleType):
-    """``sys.modules["model"]``: the ``model.py`` of the model whose code is running, as
-    Triton's stub has it (each model's code is the top-level module ``model`` of its own
-    process): Triton's QA models run ``unittest.main("model")`` in ``execute``. Each
-    attribute read finds the innermost model ``model.py`` among the callers' frames."""
-
-    def _callers(self) -> dict[str, Any]:
-        frame = sys._getframe(1)
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if name.startswith(f"{_MODELS}.") and name.endswith(".model"):
-                return frame.f_globals
-            frame = frame.f_back  # type: ignore[assignment]
-        raise AttributeError(
-            "module 'model' is a model's own model.py, read from that model's code only"
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._callers()[name]
-        except KeyError:
-            raise AttributeError(f"module 'model' has no attribute {name!r}") from None
-
-    def __dir__(self) -> list[str]:
-        return list(self._callers())
-
-
-def import_code_file(path: Path, label: str) -> ModuleType:
-    """Import a model's code file (a ``model.py``) as a module of its own, never entered in
-    ``sys.modules`` (two versions of one model, or two models' helpers, never clash).
-
-    A model may import modules that sit beside it, as Triton's python backend lets it
-    (it puts the version folder and the model's folder on the import path of the model's
-    own process): ``import helper`` finds ``helper.py`` in the version folder, then in the
-    model's folder (after the installed packages, as in Triton), and ``from . import
-    helper`` finds it in the version folder. Both are imported for this model alone:
-    once its import is done they leave ``sys.modules``, so another model's ``helper.py``
-    is its own, and imports at the top of the file (Triton's stub runs them there too)
-    are the ones that see the folders.
-
-    Raises:
-        ModelLoadError: the file cannot be imported, or importing it raised (the message
-            names the file and keeps the original error).
-    """
-    package = f"{_MODELS}.m{next(_module_ids)}_{label}"
-    module_name = f"{package}.{path.stem}"
-    folders = [str(path.parent), str(path.parent.parent)]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ModelLoadError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    holder = ModuleType(package)
-    holder.__path__ = [str(path.parent)]  # `from . import helper`: the version folder
-    with _IMPORTING:
-        if _MODELS not in sys.modules:  # the parent of every model's package (empty)
-            root = sys.modules[_MODELS] = ModuleType(_MODELS)
-            root.__path__ = []
-        if path.stem == "model" and "model" not in sys.modules:  # no module of that name
-            sys.modules["model"] = CallersModel("model")
-        before = set(sys.modules)
-        added = [f for f in folders if f not in sys.path]
-        sys.path.extend(added)
-        sys.modules[package] = holder
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            for folder in added:
-                sys.path.remove(folder)
-            for name in set(sys.modules) - before:
-                if name.startswith(package) or _beside(sys.modules[name], folders):
-                    del sys.modules[name]
-    return module
-
-
-def _beside(module: ModuleType, folders: list[str]) -> bool:
-    """Whether ``module`` was imported from a model's folders (its helpers, packages of
-    helpers included)."""
-    file = getattr(module, "__file__", None)
-    return file is not None and any(Path(file).is_relative_to(f) for f in folders)
 
 
 def devices(model: Model) -> list[Any]:
@@ -220,6 +123,10 @@ class FunctionBackend(Backend):
     def load(self) -> list[LoadedInstance]:
         """One instance per device of ``instance_group``, initialised (no compilation)."""
         return [self._instance(i, d) for i, d in enumerate(devices(self.model))]
+
+    def close(self) -> None:
+        """What the model's code imported after its load leaves ``sys.modules``."""
+        forget_code(self.code.execute)
 
     def signature(self, inputs: Tensors) -> Hashable | None:
         """Plain Python compiles nothing."""

@@ -223,10 +223,11 @@ def initialize_args(
     instance_name: str,
 ) -> dict[str, str]:
     """Triton's ``args`` for ``initialize``: every key and value a string (the model's
-    folder is its ``model_repository``; the kind is ``CPU`` or ``GPU``)."""
+    folder is its ``model_repository``; the kind is ``GPU``, ``MODEL`` or ``CPU``, as
+    Triton names a group's kind, ``KIND_AUTO`` being ``CPU`` here)."""
     return {
         "model_config": json.dumps(triton_json(config)),
-        "model_instance_kind": "GPU" if kind is InstanceKind.KIND_GPU else "CPU",
+        "model_instance_kind": _KIND_NAMES.get(kind, "CPU"),
         "model_instance_name": instance_name,
         "model_instance_device_id": str(device),
         "model_repository": str(folder) if folder is not None else "",
@@ -240,11 +241,30 @@ STUB_NAME_INVALID = ";|&$`<>()[]{}\\\"'*?~#!"
 words, "Invalid stub name: contains invalid characters", are what its QA looks for."""
 
 
-def stub_name_problem(name: str, in_config: str) -> str:
-    """Why ``name`` cannot be a python-backend model's, in Triton's words ("": it can)."""
-    if not any(c in STUB_NAME_INVALID for c in name):
-        return ""
-    return (
-        f"{in_config}: Invalid stub name: contains invalid characters (a python-backend "
-        f"model's name may hold none of {STUB_NAME_INVALID}, as in Triton)"
-    )
+_KIND_NAMES = {InstanceKind.KIND_GPU: "GPU", InstanceKind.KIND_MODEL: "MODEL"}
+
+
+def instance_names(config: ServedConfig) -> list[tuple[InstanceKind, str]]:
+    """Each instance's kind and Triton's name for it: ``<group name>_<index>``, a group's
+    name defaulting to ``<model>_<group index>`` (one CPU instance without groups)."""
+    return [
+        (group.kind, f"{group.name or f'{config.name}_{number}'}_{index}")
+        for number, group in enumerate(config.instance_group)
+        for index in range(group.count)
+    ] or [(InstanceKind.KIND_CPU, f"{config.name}_0_0")]
+
+
+def stub_name_problem(config: ServedConfig, in_config: str, *, auto_complete: bool) -> str:
+    """Why ``config``'s model cannot run as a python-backend model, in Triton's words
+    ("": it can). Triton names a stub process after each instance, and its auto-complete
+    stub after the model; a name holding one of ``STUB_NAME_INVALID`` is refused."""
+    stubs = [("the model", config.name)] if auto_complete else []
+    stubs += [("an instance", name) for _, name in instance_names(config)]
+    for what, name in stubs:
+        if any(c in STUB_NAME_INVALID for c in name):
+            return (
+                f"{in_config}: Invalid stub name: contains invalid characters ({name!r}, "
+                f"the name of {what}, may hold none of {STUB_NAME_INVALID}, as in Triton's "
+                "python backend)"
+            )
+    return ""

@@ -48,6 +48,7 @@ from ..protocols import (
     ungrouped,
 )
 from ._base import Backend, Capabilities, LoadedInstance, ServerCalls
+from ._code_files import forget_code
 from ._function import devices, on_host, placement_problems
 from ._triton_answers import Answer, Declared, never
 from ._triton_api import InferenceResponse, TritonModelException
@@ -59,7 +60,7 @@ from ._triton_calls import (
     serving,
     waits_on_server,
 )
-from ._triton_config import initialize_args, stub_name_problem
+from ._triton_config import initialize_args, instance_names, stub_name_problem
 from ._triton_decoupled_batches import DecoupledBatches
 from ._triton_metrics import MetricStore, ModelScope, enter_scope, leave_scope
 from ._triton_readiness import Readiness
@@ -160,11 +161,7 @@ class TritonPythonBackend(Backend):
         source = self.model.source
         version_folder = model_folder(self.model)
         folder = version_folder.parent if version_folder is not None else None
-        kinds = [
-            (g.kind, f"{g.name or f'{config.name}_{n}'}_{i}")  # Triton's instance names
-            for n, g in enumerate(config.instance_group)
-            for i in range(g.count)
-        ] or [(InstanceKind.KIND_CPU, f"{config.name}_0_0")]
+        kinds = instance_names(config)
         made: list[LoadedInstance] = []
         try:
             placed = zip(kinds, devices(self.model), strict=False)
@@ -199,6 +196,7 @@ class TritonPythonBackend(Backend):
             except Exception:
                 _log.exception("model '%s': finalize raised", self.model.name)
         self._instances = []
+        forget_code(self._class)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The asyncio loop of an async model and the tasks of decoupled executions, until
@@ -476,5 +474,5 @@ def triton_problems(model: Model, where: str, in_config: str) -> list[str]:
         )
     if model.config.decoupled and model.config.stateful:
         errors.append(f"{in_config}: a decoupled model cannot also be stateful")
-    problem = stub_name_problem(model.config.name, in_config)
+    problem = stub_name_problem(model.config, in_config, auto_complete=False)
     return [*errors, problem] if problem else errors

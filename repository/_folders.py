@@ -258,11 +258,17 @@ def _code_problems(entry: RepositoryEntry, config_source: str) -> list[str]:
         ]
     if config.is_ensemble:
         return []
-    what = "ONNX graph" if config.is_onnx else "code"
-    return [
-        f"{code}: missing (the {what} of version {version})"
+    missing = [
+        (version, code)
         for version in entry.versions
         if not (code := entry.model_file(version)).is_file()
+    ]
+    if config.is_onnx:
+        return [f"{code}: missing (the ONNX graph of version {v})" for v, code in missing]
+    # Triton's python backend's words, then which version lacks it.
+    return [
+        f"Python model file not found in '{code}' (the code of version {v})"
+        for v, code in missing
     ]
 
 
@@ -329,7 +335,7 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         return _checked(Model(config=completed, code=OnnxGraph(path), **found))
     directory = entry.path / str(version)
     if config.backend == "python" or entry.backend_file is not None:  # before its code runs
-        problem = stub_name_problem(config.name, config_source)
+        problem = stub_name_problem(config, config_source, auto_complete=entry.auto_complete)
         if problem:
             raise ConfigError(problem)
     module = import_code_file(path, f"{entry.name}_v{version}")

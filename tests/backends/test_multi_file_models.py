@@ -236,3 +236,81 @@ async def test_a_model_raising_system_exit_fails_its_request_only(tmp_path: Path
         for _ in range(2):
             with pytest.raises(orchestrion.InferenceError, match=r"SystemExit\(3\)"):
                 await server.infer("leaves", {"X": np.zeros(2, np.float32)})
+
+
+LATE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import helper                      # imported with the file
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import helper as again     # the same module, not a second copy
+        import late                # first imported here: {name}/1/late.py
+        from late import BASE
+
+        assert again is helper, (again, helper)
+        self.base = BASE + late.BONUS
+        helper.STATE.append("initialized")
+
+    def execute(self, requests):
+        import helper as again
+        assert again.STATE == ["initialized"], again.STATE
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            y = helper.scaled(x) + self.base   # helper.scaled imports `scaler` itself
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y.astype(np.float32))]))
+        if {missing}:
+            import not_beside_any_model
+        return answers
+"""
+
+
+def _late_model(root: Path, name: str, base: int, scale: int, missing: bool = False) -> None:
+    version = root / name / "1"
+    version.mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    (version / "model.py").write_text(LATE_MODEL.format(name=name, missing=missing))
+    (version / "helper.py").write_text(
+        "STATE = []\n\ndef scaled(x):\n    import scaler\n    return x * scaler.SCALE\n"
+    )
+    (version / "late.py").write_text(f"BASE = {base}\nBONUS = 1\n")
+    (root / name / "scaler.py").write_text(f"SCALE = {scale}\n")  # the model's folder
+
+
+async def test_imports_inside_initialize_and_execute_find_the_models_own_files(
+    tmp_path: Path,
+) -> None:
+    """Triton's stub keeps the model's folders on its import path, so an import inside
+    ``initialize`` or ``execute`` (or inside a helper's function) finds the files beside
+    ``model.py`` too. Two models with files of the same names each get their own, a module
+    imported with the file is the same module later, nothing stays in sys.modules under
+    the plain names, and what a model imported later is dropped when it is unloaded."""
+    _late_model(tmp_path, "first", base=10, scale=2)
+    _late_model(tmp_path, "second", base=100, scale=3)
+    x = np.array([1.0, 2.0], np.float32)
+    async with orchestrion.open_server(model_repository=tmp_path) as server:
+        for _ in range(2):  # the second time, the imports find what the first imported
+            first = (await server.infer("first", {"X": x})).outputs["Y"]
+            second = (await server.infer("second", {"X": x})).outputs["Y"]
+            assert first.tolist() == [13.0, 15.0]  # x * 2 + 10 + 1
+            assert second.tolist() == [104.0, 107.0]  # x * 3 + 100 + 1
+        for name in ("helper", "late", "scaler"):
+            assert name not in sys.modules
+        kept = [n for n in sys.modules if n.startswith("_orchestrion_models.") and "late" in n]
+        assert kept != []  # under names of the model's own while it is loaded
+    assert [n for n in sys.modules if n.startswith("_orchestrion_models.") and "late" in n] == []
+
+
+async def test_an_import_that_nothing_finds_fails_the_request_only(tmp_path: Path) -> None:
+    """An import in ``execute`` that is neither installed nor beside the model is the
+    request's error (ModuleNotFoundError, named), and the model serves on."""
+    _late_model(tmp_path, "broken", base=0, scale=1, missing=True)
+    x = np.array([1.0, 2.0], np.float32)
+    async with orchestrion.open_server(model_repository=tmp_path) as server:
+        for _ in range(2):
+            with pytest.raises(orchestrion.InferenceError, match="not_beside_any_model"):
+                await server.infer("broken", {"X": x})

@@ -96,6 +96,56 @@ async def test_initialize_gets_tritons_args_once_per_instance() -> None:
         assert pb_utils.get_output_config_by_name(config, "Y")["name"] == "Y"
 
 
+async def test_instances_have_tritons_names_and_kinds() -> None:
+    """A named group's instances are ``<group>_<index>``, an unnamed group's
+    ``<model>_<group index>_<index>``; the kind is Triton's word for the group's kind:
+    ``MODEL`` for KIND_MODEL, ``CPU`` for KIND_CPU."""
+    made: list[dict[str, str]] = []
+
+    class Recorder:
+        def initialize(self, args: dict[str, str]) -> None:
+            made.append(args)
+
+        def execute(self, requests: list[Any]) -> list[Any]:
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.ones(1, np.float32))])]
+
+    definition = triton_model(
+        "kinds",
+        Recorder,
+        [tensor("X", dims=(1,))],
+        [tensor("Y", dims=(1,))],
+        instance_group=(
+            InstanceGroup(count=1, kind=InstanceKind.KIND_MODEL, name="whole"),
+            InstanceGroup(count=2, kind=InstanceKind.KIND_CPU),
+        ),
+    )
+    async with orchestrion.open_server(models=[definition]):
+        named = [(a["model_instance_name"], a["model_instance_kind"]) for a in made]
+        assert named == [("whole_0", "MODEL"), ("kinds_1_0", "CPU"), ("kinds_1_1", "CPU")]
+
+
+async def test_an_instance_name_a_stub_cannot_have_is_refused_in_tritons_words() -> None:
+    """Triton names each instance's stub process after the instance: a group name with a
+    character it refuses fails the load, though the model's own name is fine."""
+
+    class Fine:
+        def execute(self, requests: list[Any]) -> list[Any]:
+            return []
+
+    definition = triton_model(
+        "fine",
+        Fine,
+        [tensor("X", dims=(1,))],
+        [tensor("Y", dims=(1,))],
+        instance_group=(InstanceGroup(count=1, kind=InstanceKind.KIND_CPU, name="group;1"),),
+    )
+    with pytest.raises(
+        ConfigError, match=r"Invalid stub name: contains invalid characters \('group;1_0'"
+    ):
+        async with orchestrion.open_server(models=[definition]):
+            pass
+
+
 async def test_finalize_runs_on_unload_and_on_shutdown() -> None:
     """finalize is called once per instance when the model is unloaded, and again for the
     reloaded model when the server stops."""
