@@ -8,11 +8,12 @@ times, the way the tests run it (user 1000, read-only root, /tmp as tmpfs), serv
 examples/onnx_pipeline:
 
 - ready: ``docker run`` until ``/v2/health/ready`` answers 200 (polled every 50 ms);
-- first request: one inference over HTTP right after (ONNX Runtime and XLA warm up on it);
+- first request: one inference over HTTP right after (the models compiled at load);
 - stop: SIGTERM until the container has exited, idle.
 
 The largest installed packages of each image follow. A build reuses the daemon's cache
-(kept under ~/.cache/orchestrion between runs); ``--cold`` builds without it.
+(kept under ~/.cache/orchestrion between runs); ``--cold`` builds without it. The images
+are removed at the end (the CUDA one is about 5 GB).
 
     sudo .venv/bin/python bench/container.py [--images cpu,cuda] [--starts 5] [--cold]
 """
@@ -120,6 +121,7 @@ def main() -> None:
                 ]
             )
             parts += [[kind, name, f"{size_ / 1e6:.0f}"] for name, size_ in _largest(docker, tag)]
+            docker.run("image", "rm", tag, timeout=300)
     print(
         table(
             ["image", "MB", "build s", "ready s (min-max)", "first request ms", "stop s"],

@@ -181,6 +181,11 @@ def test_images_enter_orchestrion_serve(name: str) -> None:
     assert (repositories(args), args.host) == (["/models"], "0.0.0.0")
     assert re.search(r"^EXPOSE 8000 8001 8002$", dockerfile, flags=re.MULTILINE)
     assert re.search(r"^USER 1000$", dockerfile, flags=re.MULTILINE)
+    # The base users get is the official Python image (the tests build on a stand-in).
+    assert re.search(
+        r"^ARG PYTHON_IMAGE=python:3\.11-slim-bookworm$", dockerfile, flags=re.MULTILINE
+    )
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", dockerfile, flags=re.MULTILINE)
     # orchestrion[cuda] (JAX with its CUDA plugin) in the CUDA image only; ONNX Runtime in both.
     extras = re.search(r"^ARG EXTRAS=(.*)$", dockerfile, flags=re.MULTILINE)
     assert extras is not None

@@ -35,6 +35,8 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "orchestrion-test/python:3.11-bookworm"
 DEBIAN_MIRROR = os.environ.get("ORCHESTRION_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orchestrion"
+KEEP_BUILD_CACHE = "4GB"
+"""The build cache kept between runs: about two builds' worth of the CPU image's steps."""
 
 
 class DockerUnavailable(Exception):
@@ -113,7 +115,13 @@ def _data_root() -> Iterator[Path]:
 
 @contextlib.contextmanager
 def docker_daemon(start_timeout: float = 60) -> Iterator[Docker]:
-    """Starts ``dockerd`` (root), yields a client bound to it, and stops it after."""
+    """Starts ``dockerd`` (root), yields a client bound to it, and stops it after.
+
+    Raises:
+        DockerUnavailable: what it needs is missing here (not root, no ``dockerd``, no
+            right to make a bridge): a reason to skip.
+        RuntimeError: the daemon was started and failed (its log's end in the message).
+    """
     reason = unavailable_reason()
     if reason is not None:
         raise DockerUnavailable(reason)
@@ -124,57 +132,68 @@ def docker_daemon(start_timeout: float = 60) -> Iterator[Docker]:
         _bridge() as (bridge, gateway),
     ):
         docker = Docker(_client(), Path(run) / "docker.sock", gateway)
-        log = open(Path(run) / "dockerd.log", "wb")  # noqa: SIM115 (closed below)
-        process = subprocess.Popen(
-            [
-                "dockerd",
-                f"--data-root={data}",
-                f"--exec-root={run}/exec",
-                f"--pidfile={run}/dockerd.pid",
-                f"--host=unix://{docker.socket}",
-                f"--bridge={bridge}",
-                "--iptables=false",
-                "--ip6tables=false",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_for_daemon(docker, process, Path(run) / "dockerd.log", start_timeout)
-            yield docker
-        finally:
-            process.send_signal(signal.SIGTERM)
+        # No settings of the machine's own (/etc/docker/daemon.json), no host-wide
+        # forwarding, and a containerd namespace of its own where it shares a containerd.
+        (Path(run) / "daemon.json").write_text("{}")
+        namespace = f"orchestrion-test-{os.getpid()}"
+        command = [
+            "dockerd",
+            f"--config-file={run}/daemon.json",
+            f"--data-root={data}",
+            f"--exec-root={run}/exec",
+            f"--pidfile={run}/dockerd.pid",
+            f"--host=unix://{docker.socket}",
+            f"--bridge={bridge}",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-forward=false",
+            f"--containerd-namespace={namespace}",
+            f"--containerd-plugins-namespace={namespace}-plugins",
+        ]
+        with open(Path(run) / "dockerd.log", "wb") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-            log.close()
+                _wait_for_daemon(docker, process, Path(run) / "dockerd.log", start_timeout)
+                yield docker
+            finally:
+                _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to dockerd (it stops its containers and its containerd); if it does not
+    exit within 30 s, SIGKILL to its whole process group (the containerd it started too)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 @contextlib.contextmanager
 def _bridge() -> Iterator[tuple[str, str]]:
-    """A Linux bridge with a /24 of 10.213.0.0/16 that no interface here uses yet."""
+    """A Linux bridge with a /24 of 10.213.0.0/16 that no interface here uses yet, deleted
+    after."""
     used = subprocess.run(
         ["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True, timeout=10
     ).stdout
     name = f"orch{os.getpid() % 100000}"
-    for third in range(7, 255):
-        if f" 10.213.{third}." not in used:
-            break
-    else:
+    third = next((n for n in range(7, 255) if f" 10.213.{n}." not in used), None)
+    if third is None:
         raise DockerUnavailable("no free /24 in 10.213.0.0/16 for the daemon's bridge")
     gateway = f"10.213.{third}.1"
-    for command in (
-        ["ip", "link", "add", name, "type", "bridge"],
-        ["ip", "addr", "add", f"{gateway}/24", "dev", name],
-        ["ip", "link", "set", name, "up"],
-    ):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
-        if done.returncode != 0:
-            subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=10)
-            raise DockerUnavailable(f"{' '.join(command)}: {done.stderr.strip()}")
     try:
+        for command in (
+            ["ip", "link", "add", name, "type", "bridge"],
+            ["ip", "addr", "add", f"{gateway}/24", "dev", name],
+            ["ip", "link", "set", name, "up"],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+            if done.returncode != 0:  # no right to make one (a container without NET_ADMIN)
+                raise DockerUnavailable(f"{' '.join(command)}: {done.stderr.strip()}")
         yield name, gateway
     finally:
         subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=10)
@@ -186,7 +205,7 @@ def _wait_for_daemon(
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise DockerUnavailable(
+            raise RuntimeError(
                 f"dockerd exited ({process.returncode}): {log.read_text(errors='replace')[-2000:]}"
             )
         if (
@@ -195,7 +214,9 @@ def _wait_for_daemon(
         ):
             return
         time.sleep(0.2)
-    raise DockerUnavailable(f"dockerd did not answer within {limit:.0f} s")
+    raise RuntimeError(
+        f"dockerd did not answer within {limit:.0f} s: {log.read_text(errors='replace')[-2000:]}"
+    )
 
 
 def ensure_base_image(docker: Docker) -> str:
@@ -264,7 +285,12 @@ def build_image(
         args.append(f"--secret=id=ca-certificates,src={ca_bundle}")
     started = time.monotonic()
     docker.run(*args, str(REPOSITORY), timeout=timeout)
-    return time.monotonic() - started
+    took = time.monotonic() - started
+    # The data root is kept between runs: what this build replaced goes (the image it
+    # untagged, and build cache beyond what one image's rebuild reuses).
+    docker.run("image", "prune", "--force", timeout=300)
+    docker.run("builder", "prune", "--force", f"--keep-storage={KEEP_BUILD_CACHE}", timeout=300)
+    return took
 
 
 def image_size(docker: Docker, tag: str) -> int:
