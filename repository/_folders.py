@@ -265,11 +265,13 @@ def _code_problems(entry: RepositoryEntry, config_source: str) -> list[str]:
     ]
     if config.is_onnx:
         return [f"{code}: missing (the ONNX graph of version {v})" for v, code in missing]
-    # Triton's python backend's words, then which version lacks it.
-    return [
-        f"Python model file not found in '{code}' (the code of version {v})"
-        for v, code in missing
-    ]
+    if config.backend == "python":  # Triton's line for it, which its QA reads in the log
+        return [
+            f"failed to load '{config.name}' version {v}: Failed to preinitialize Python "
+            f"stub: Python model file not found in '{code}'"
+            for v, code in missing
+        ]
+    return [f"{code}: missing (the code of version {v})" for v, code in missing]
 
 
 def scan_repository(

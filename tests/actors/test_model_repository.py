@@ -147,7 +147,7 @@ async def test_version_policy_selects_versions(
         (lambda r: shutil.rmtree(write_model(r, "m") / "1"), r"m: no version folder"),
         (
             lambda r: (write_model(r, "m") / "1" / "model.py").unlink(),
-            r"Python model file not found in '.*/m/1/model.py' \(the code of version 1\)",
+            r"m/1/model.py: missing \(the code of version 1\)",
         ),
         (
             lambda r: write_model(r, "m", extra="max_batch_size: 2"),

@@ -314,3 +314,17 @@ async def test_an_import_that_nothing_finds_fails_the_request_only(tmp_path: Pat
         for _ in range(2):
             with pytest.raises(orchestrion.InferenceError, match="not_beside_any_model"):
                 await server.infer("broken", {"X": x})
+
+
+async def test_a_missing_model_py_is_refused_in_tritons_words(tmp_path: Path) -> None:
+    """A version folder without its ``model.py``: Triton's line, which its QA looks for in
+    the server's log (the file's full path in it)."""
+    (tmp_path / "absent" / "1").mkdir(parents=True)
+    (tmp_path / "absent" / "config.pbtxt").write_text(CONFIG.format(name="absent"))
+    with pytest.raises(orchestrion.ConfigError) as info:
+        async with orchestrion.open_server(model_repository=tmp_path):
+            pass
+    assert (
+        "failed to load 'absent' version 1: Failed to preinitialize Python stub: Python model "
+        f"file not found in '{tmp_path}/absent/1/model.py'"
+    ) in str(info.value)
