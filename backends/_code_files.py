@@ -1,36 +1,41 @@
 """A model's code file (``model.py``) imported as a module of its own, with the modules beside
-it, as Triton's python backend has them: in Triton each model's code runs in a process of its
-own (its stub) whose import path holds the model's folders, so ``import helper`` finds
+it, as Triton's python backend has them.
+
+In Triton each model's code runs in a process of its own (its stub) whose import path holds
+the model's version folder and folder, after the installed packages: ``import helper`` finds
 ``helper.py`` beside ``model.py`` at the top of the file and inside ``initialize`` or
-``execute`` alike. Here many models share one interpreter, so each model's helpers are its
-own:
+``execute`` alike, and ``from . import helper`` finds it in the version folder. Here many
+models share one interpreter, so each model's files live under packages of its own:
 
-- at the file's import, its folders are on ``sys.path`` and the helpers it imports are
-  entered in ``sys.modules`` only while it imports; they are then kept with the model;
-- later, an import that nothing else finds (an import inside ``initialize`` or ``execute``)
-  is looked up by `_ModelImports` among the folders of the model whose code is running (the
-  innermost model's frame among the caller's frames): the helper already imported, or the
-  file, imported then for that model alone under a name of its own;
-- ``sys.modules["model"]`` answers for the running model's own ``model.py`` (`CallersModel`).
+- ``_orchestrion_models.m<N>_<label>`` (the version folder): ``model.py`` is its module
+  ``model``, and ``from . import helper`` is ``…m<N>_<label>.helper``;
+- ``_orchestrion_models.m<N>_<label>.__imports__`` (the version folder, then the model's
+  folder): what ``import helper`` names. The model's code imports through an ``__import__``
+  of its own (its modules' ``__builtins__``) that turns ``helper``, ``helper.sub`` into
+  names under that package when ``helper`` is not an installed module and is a file or
+  folder beside the model; everything else is imported as usual.
 
-Two models' ``helper.py`` never clash, and an installed package of the same name wins, as it
-does in Triton (the model's folders come after the installed packages on its path).
+Nothing is added to ``sys.path`` and no helper is entered in ``sys.modules`` under its plain
+name, so two models' ``helper.py`` never clash, a model serving while another loads never
+sees the other's files, and the import system's own rules (packages, namespace folders,
+circular imports, ``importlib.resources``, ``reload``) apply within each model.
+``sys.modules["model"]`` answers for the running model's ``model.py`` (`CallersModel`).
+`forget_code` drops a model's packages from ``sys.modules`` once it is unloaded.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import Any
-
-import attrs
 
 from ..protocols import ModelLoadError
 
@@ -38,19 +43,66 @@ _module_ids = itertools.count()
 
 _MODELS = "_orchestrion_models"
 """The parent package of every model's code (empty)."""
+_HELPERS = "__imports__"
+"""The package, under a model's own, of the modules its plain imports find beside it."""
 _RECORD = "__orchestrion_imports__"
-"""The name, in a model's module (and its helpers), of its `_CodeImports`."""
-_IMPORTING = threading.Lock()
-"""One model's code is imported at a time: the import path is changed while it is."""
+"""The name, in a model's package, of its `_CodeImports`."""
+_ROOT_LOCK = threading.Lock()
 
 
-@attrs.define
 class _CodeImports:
-    """One model's code: its package name, folders and the helpers it has imported."""
+    """One model's code: its packages, its folders, and its ``__import__``."""
 
-    package: str
-    folders: list[str]
-    helpers: dict[str, ModuleType] = attrs.Factory(dict)
+    def __init__(self, package: str, folders: list[str]) -> None:
+        self.package = package
+        self.helpers = f"{package}.{_HELPERS}"
+        self.folders = folders
+        self._beside: dict[str, bool] = {}  # top-level name: whether it is the model's
+        self.builtins = {**vars(builtins), "__import__": self.import_}
+
+    def is_beside(self, top: str) -> bool:
+        """Whether ``import top`` names the model's own file or folder: not an installed
+        module (those come first, as on the stub's path) and found in the model's folders."""
+        known = self._beside.get(top)
+        if known is None:
+            known = not _installed(top) and (
+                importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
+            )
+            self._beside[top] = known
+        return known
+
+    def import_(
+        self,
+        name: str,
+        globals: Mapping[str, Any] | None = None,
+        locals: Mapping[str, Any] | None = None,
+        fromlist: Sequence[str] | None = (),
+        level: int = 0,
+    ) -> ModuleType:
+        """``__import__`` for the model's code: ``helper[.sub]`` beside the model is
+        ``<package>.__imports__.helper[.sub]``."""
+        top = name.partition(".")[0]
+        if level != 0 or not top or not self.is_beside(top):
+            return builtins.__import__(name, globals, locals, fromlist or (), level)
+        module = builtins.__import__(f"{self.helpers}.{name}", globals, locals, fromlist or (), 0)
+        if fromlist:
+            return module
+        return sys.modules[f"{self.helpers}.{top}"]  # ``import a.b`` binds ``a``
+
+
+def _installed(top: str) -> bool:
+    """Whether the import system finds ``top`` without this module's finders."""
+    if top in sys.modules or top in sys.builtin_module_names:
+        return True
+    for finder in list(sys.meta_path):
+        if finder is _FINDER or finder is _FALLBACK or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            if finder.find_spec(top, None) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 class CallersModel(ModuleType):
@@ -80,90 +132,106 @@ class CallersModel(ModuleType):
         return list(self._callers())
 
 
+class _WithImports(importlib.abc.Loader):
+    """A file's own loader, which first gives the module its model's ``__import__``. What
+    else is asked of a loader (its source for tracebacks, resources) is the file loader's."""
+
+    def __init__(self, loader: importlib.abc.Loader, record: _CodeImports) -> None:
+        self._loader = loader
+        self._record = record
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__dict__["__builtins__"] = self._record.builtins
+        self._loader.exec_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _ModelPackages(importlib.abc.MetaPathFinder):
+    """The first finder of ``sys.meta_path``, for the modules under a model's packages only:
+    the file as the path finder finds it, loaded with the model's ``__import__``."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is None or not fullname.startswith(f"{_MODELS}."):
+            return None
+        package = sys.modules.get(".".join(fullname.split(".")[:2]))
+        record = getattr(package, _RECORD, None)
+        if not isinstance(record, _CodeImports):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None and spec.origin is not None:
+            spec.loader = _WithImports(spec.loader, record)  # a file (not a namespace folder)
+        return spec
+
+
 class _Existing(importlib.abc.Loader):
-    """Gives a module already imported for this model (its helper) to an import again."""
+    """Gives an import by another name the model's module already imported (its spec kept)."""
 
     def __init__(self, module: ModuleType) -> None:
         self._module = module
+        self._spec = module.__spec__
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         return self._module
 
     def exec_module(self, module: ModuleType) -> None:
-        pass
+        module.__spec__ = self._spec  # the import set it to the spec of the other name
 
 
-class _Helper(importlib.abc.Loader):
-    """Imports a helper file for one model: the module knows its model, and is kept with it."""
-
-    def __init__(self, record: _CodeImports, name: str, file: importlib.abc.Loader) -> None:
-        self._record = record
-        self._name = name
-        self._file = file  # the file's own loader (source, bytecode or extension)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._file.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        setattr(module, _RECORD, self._record)
-        self._file.exec_module(module)
-        self._record.helpers[self._name] = module
-
-
-class _ModelImports(importlib.abc.MetaPathFinder):
-    """The last finder of ``sys.meta_path``: a top-level import that no other finder found,
-    made by a model's code, is looked up among that model's folders."""
+class _PlainNames(importlib.abc.MetaPathFinder):
+    """The last finder of ``sys.meta_path``: what goes around a model's ``__import__``
+    (``importlib.import_module("helper")`` in its code) finds the model's own top-level
+    modules too, the running model being the innermost among the caller's frames."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if path is not None or "." in fullname:
-            return None  # a submodule: its package's own path finds it
-        record = _running_model(sys._getframe(1))
-        if record is None:
             return None
-        # A name of this model's own: never ``sys.modules[fullname]``, so that another
-        # model's module of the same name stays its own.
-        qualified = f"{record.package}.__imports__.{fullname}"
-        known = record.helpers.get(fullname)
-        if known is not None:
-            return importlib.util.spec_from_loader(qualified, _Existing(known))
-        found = importlib.machinery.PathFinder.find_spec(fullname, record.folders)
-        if found is None or found.origin is None or found.loader is None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if isinstance(name, str) and name.startswith(f"{_MODELS}."):
+                break
+            frame = frame.f_back  # type: ignore[assignment]
+        else:
             return None
-        # The file's loader again, for the name of the model's own (it checks the name).
-        file = type(found.loader)(qualified, found.origin)  # type: ignore[call-arg]
-        return importlib.util.spec_from_file_location(
-            qualified,
-            found.origin,
-            loader=_Helper(record, fullname, file),
-            submodule_search_locations=found.submodule_search_locations,
-        )
+        record = getattr(sys.modules.get(".".join(name.split(".")[:2])), _RECORD, None)
+        if not isinstance(record, _CodeImports) or not record.is_beside(fullname):
+            return None
+        qualified = f"{record.helpers}.{fullname}"
+        module = importlib.import_module(qualified)
+        return importlib.util.spec_from_loader(qualified, _Existing(module))
 
 
-_FINDER = _ModelImports()
+_FINDER = _ModelPackages()
+_FALLBACK = _PlainNames()
 
 
-def _running_model(frame: FrameType | None) -> _CodeImports | None:
-    """The imports of the innermost model whose code is among ``frame`` and its callers."""
-    while frame is not None:
-        record = frame.f_globals.get(_RECORD)
-        if isinstance(record, _CodeImports):
-            return record
-        frame = frame.f_back
-    return None
+def _package(name: str, path: list[str], record: _CodeImports) -> ModuleType:
+    holder = ModuleType(name)
+    holder.__path__ = path
+    holder.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    holder.__spec__.submodule_search_locations = path
+    setattr(holder, _RECORD, record)
+    return holder
 
 
 def import_code_file(path: Path, label: str) -> ModuleType:
-    """Import a model's code file (a ``model.py``) as a module of its own, never entered in
-    ``sys.modules`` (two versions of one model, or two models' helpers, never clash).
+    """Import a model's code file (a ``model.py``) as a module of its own, under a package
+    of its own (two versions of one model, or two models' helpers, never clash).
 
-    A model may import modules that sit beside it, as Triton's python backend lets it
-    (it puts the version folder and the model's folder on the import path of the model's
-    own process): ``import helper`` finds ``helper.py`` in the version folder, then in the
-    model's folder (after the installed packages, as in Triton), at the top of the file or
-    later (in ``initialize`` or ``execute``); ``from . import helper`` finds it in the
-    version folder at the top of the file.
+    A model may import modules that sit beside it, as Triton's python backend lets it:
+    ``import helper`` finds ``helper.py`` (or a package ``helper/``) in the version folder,
+    then in the model's folder, after the installed packages; ``from . import helper``
+    finds it in the version folder; both at the top of the file and later (in
+    ``initialize``, ``execute`` or a helper's functions).
 
     Raises:
         ModelLoadError: the file cannot be imported, or importing it raised (the message
@@ -175,58 +243,40 @@ def import_code_file(path: Path, label: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
     record = _CodeImports(package, folders)
-    setattr(module, _RECORD, record)
-    holder = ModuleType(package)
-    holder.__path__ = [str(path.parent)]  # `from . import helper`: the version folder
-    with _IMPORTING:
+    with _ROOT_LOCK:
         if _MODELS not in sys.modules:
             root = sys.modules[_MODELS] = ModuleType(_MODELS)
             root.__path__ = []
         if path.stem == "model" and "model" not in sys.modules:  # no module of that name
             sys.modules["model"] = CallersModel("model")
         if _FINDER not in sys.meta_path:
-            sys.meta_path.append(_FINDER)
-        before = set(sys.modules)
-        added = [f for f in folders if f not in sys.path]
-        sys.path.extend(added)
-        sys.modules[package] = holder
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            for folder in added:
-                sys.path.remove(folder)
-            for name in set(sys.modules) - before:
-                helper = sys.modules[name]
-                if name.startswith(package) or _beside(helper, folders):
-                    del sys.modules[name]
-                    if "." not in name and not name.startswith(_MODELS):
-                        record.helpers[name] = helper  # `import helper` again, later
-                        setattr(helper, _RECORD, record)
+            sys.meta_path.insert(0, _FINDER)
+            sys.meta_path.append(_FALLBACK)
+    sys.modules[package] = _package(package, [str(path.parent)], record)
+    sys.modules[record.helpers] = _package(record.helpers, folders, record)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__builtins__"] = record.builtins
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        _forget(package)
+        raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
     return module
 
 
 def forget_code(code: object) -> None:
-    """Drop what a model's later imports entered in ``sys.modules`` (its helpers, under
-    names of its own): called once the model whose code defines ``code`` (its class, or its
-    ``execute`` function) is unloaded. The model keeps its helpers: an import after this
-    finds them again."""
-    execute = getattr(code, "execute", code)
-    record = getattr(execute, "__globals__", {}).get(_RECORD)
-    if not isinstance(record, _CodeImports):
-        return
-    with _IMPORTING:
-        for name in [n for n in sys.modules if n.startswith(f"{record.package}.")]:
-            del sys.modules[name]
-        sys.modules.pop(record.package, None)
+    """Drop a model's packages (its ``model.py`` and the modules it imported beside it)
+    from ``sys.modules``, once the model whose code is or defines ``code`` (its module, its
+    class, or its ``execute`` function) is unloaded. Code still running keeps the modules
+    it holds."""
+    module = code.__name__ if isinstance(code, ModuleType) else getattr(code, "__module__", "")
+    module = module if isinstance(module, str) else ""
+    if module.startswith(f"{_MODELS}."):
+        _forget(".".join(module.split(".")[:2]))
 
 
-def _beside(module: ModuleType, folders: list[str]) -> bool:
-    """Whether ``module`` was imported from a model's folders (its helpers, packages of
-    helpers included)."""
-    file = getattr(module, "__file__", None)
-    return file is not None and any(Path(file).is_relative_to(f) for f in folders)
+def _forget(package: str) -> None:
+    for name in [n for n in list(sys.modules) if n == package or n.startswith(f"{package}.")]:
+        sys.modules.pop(name, None)

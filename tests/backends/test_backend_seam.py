@@ -19,7 +19,7 @@ import trio.lowlevel
 
 from orchestrion.actors._instances import Instance, Instances, starts_inline
 from orchestrion.actors._watchdog import LoopHolder, describe_holder, loop_holder
-from orchestrion.backends import backend_for, import_code_file
+from orchestrion.backends import backend_for, forget_code, import_code_file
 from orchestrion.backends._jax import JaxBackend, padded_sizes
 from orchestrion.backends._python import PythonBackend
 from orchestrion.protocols import (
@@ -226,16 +226,23 @@ def test_a_model_error_is_named_and_the_watchdog_sees_who_holds_the_loop() -> No
 
 
 def test_importing_a_code_file_names_it_and_leaves_no_module_behind(tmp_path: Path) -> None:
+    """A code file is a module under a package of its own while its model is loaded, and
+    leaves nothing in sys.modules once forgotten (or when its import fails)."""
     import sys
 
     good = tmp_path / "good.py"
     good.write_text("VALUE = 42\n")
     module = import_code_file(good, "good_v1")
     assert module.VALUE == 42
-    assert module.__name__ not in sys.modules
+    package = module.__name__.rpartition(".")[0]
+    assert module.__name__.startswith("_orchestrion_models.m")
+    assert sys.modules[module.__name__] is module
+    forget_code(module)
+    assert [n for n in sys.modules if n.startswith(package)] == []
     bad = tmp_path / "bad.py"
     bad.write_text("raise ImportError('no tokenizer here')\n")
     with pytest.raises(
         ModelLoadError, match=r"bad.py: import failed: ImportError: no tokenizer here"
     ):
         import_code_file(bad, "bad_v1")
+    assert [n for n in sys.modules if n.startswith("_orchestrion_models.") and "bad_v1" in n] == []

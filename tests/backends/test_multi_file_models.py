@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 
 import orchestrion
 from orchestrion import ModelLoadError
@@ -328,3 +329,85 @@ async def test_a_missing_model_py_is_refused_in_tritons_words(tmp_path: Path) ->
         "failed to load 'absent' version 1: Failed to preinitialize Python stub: Python model "
         f"file not found in '{tmp_path}/absent/1/model.py'"
     ) in str(info.value)
+
+
+DEEP_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import helper
+
+time.sleep({pause})  # a slow import: other models serve meanwhile
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import importlib
+        import importlib.resources
+
+        import ring_a                    # two late helpers importing each other
+        import tools                     # a package beside the model
+        import utils.tool                # a folder without __init__.py, and its module
+        from tools.scale import SCALE    # a package's module, first imported here
+        from . import relative           # the version folder, relatively
+
+        again = importlib.import_module("helper")  # around the import statement
+        assert again is helper, (again, helper)
+        note = importlib.resources.files(tools).joinpath("note.txt").read_text()
+        value = (helper.FACTOR * SCALE + relative.EXTRA + ring_a.total() + utils.tool.TOOL
+                 + len(note))
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", np.full(2, value, np.float32))]
+            )
+            for _ in requests
+        ]
+"""
+
+
+def _deep_model(root: Path, name: str, n: int, pause: float = 0.0) -> None:
+    version = root / name / "1"
+    (version / "tools").mkdir(parents=True)
+    (version / "utils").mkdir()
+    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    (version / "model.py").write_text(DEEP_MODEL.format(pause=pause))
+    (version / "helper.py").write_text(f"FACTOR = {n}\n")
+    (version / "relative.py").write_text(f"EXTRA = {10 * n}\n")
+    (version / "ring_a.py").write_text(
+        f"import ring_b\nA = {100 * n}\n\ndef total():\n    return A + ring_b.B\n"
+    )
+    (version / "ring_b.py").write_text(f"import ring_a\nB = {1000 * n}\n")
+    (version / "tools" / "__init__.py").write_text("")
+    (version / "tools" / "scale.py").write_text("SCALE = 2\n")
+    (version / "tools" / "note.txt").write_text("x" * n)
+    (version / "utils" / "tool.py").write_text(f"TOOL = {10000 * n}\n")
+
+
+def _deep_answer(n: int) -> float:
+    return n * 2 + 10 * n + 100 * n + 1000 * n + 10000 * n + n
+
+
+async def test_later_imports_follow_pythons_rules_within_each_model(tmp_path: Path) -> None:
+    """Inside ``execute``: a package's module first imported there, a helper package's data
+    through importlib.resources, a pair of helpers that import each other, a folder
+    without ``__init__.py``, ``from . import``, and importlib.import_module, each model with
+    its own files of the same names; and a model that serves while another one's code is
+    being imported never sees the other's files."""
+    _deep_model(tmp_path, "one", 1)
+    _deep_model(tmp_path, "two", 2, pause=1.0)
+    x = np.array([1.0, 2.0], np.float32)
+    async with orchestrion.open_server(model_repository=tmp_path, load_models=["one"]) as server:
+        assert (await server.infer("one", {"X": x})).outputs["Y"].tolist() == [_deep_answer(1)] * 2
+        answers: list[float] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.load_model, "two")  # its import takes a second
+            for _ in range(20):
+                await trio.sleep(0.05)
+                answers.append((await server.infer("one", {"X": x})).outputs["Y"][0])
+        assert answers == [_deep_answer(1)] * 20
+        assert (await server.infer("two", {"X": x})).outputs["Y"].tolist() == [_deep_answer(2)] * 2
+        for name in ("helper", "ring_a", "ring_b", "tools", "utils", "utils.tool", "relative"):
+            assert name not in sys.modules
+    assert [n for n in sys.modules if n.startswith("_orchestrion_models.")] == []
