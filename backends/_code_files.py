@@ -30,6 +30,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
+import re
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,8 @@ _HELPERS = "__imports__"
 _RECORD = "__orchestrion_imports__"
 """The name, in a model's package, of its `_CodeImports`."""
 _ROOT_LOCK = threading.Lock()
+_NOT_NAME = re.compile(r"\W")
+"""What a package name may not hold (a model's folder name may: ``bert.v2``)."""
 
 
 class _CodeImports:
@@ -57,19 +60,22 @@ class _CodeImports:
         self.package = package
         self.helpers = f"{package}.{_HELPERS}"
         self.folders = folders
-        self._beside: dict[str, bool] = {}  # top-level name: whether it is the model's
+        self.repository = Path(folders[-1]).parent  # the model repository's root
+        self.beside: dict[str, bool] = {}  # top-level names found to be the model's
         self.builtins = {**vars(builtins), "__import__": self.import_}
 
     def is_beside(self, top: str) -> bool:
         """Whether ``import top`` names the model's own file or folder: not an installed
-        module (those come first, as on the stub's path) and found in the model's folders."""
-        known = self._beside.get(top)
-        if known is None:
-            known = not _installed(top) and (
-                importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
-            )
-            self._beside[top] = known
-        return known
+        module (those come first, as on the stub's path) and found in the model's folders.
+        Only a yes is remembered (a file written later is found then)."""
+        if top in self.beside:
+            return True
+        found = not _installed(top, self.repository) and (
+            importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
+        )
+        if found:
+            self.beside[top] = True
+        return found
 
     def import_(
         self,
@@ -83,26 +89,75 @@ class _CodeImports:
         ``<package>.__imports__.helper[.sub]``."""
         top = name.partition(".")[0]
         if level != 0 or not top or not self.is_beside(top):
+            if level == 0 and isinstance(sys.modules.get(top), CallersHelper):
+                # Another model's file of that name: this model has none.
+                raise ModuleNotFoundError(f"No module named {top!r}", name=top)
             return builtins.__import__(name, globals, locals, fromlist or (), level)
         module = builtins.__import__(f"{self.helpers}.{name}", globals, locals, fromlist or (), 0)
+        if not isinstance(sys.modules.get(top), CallersHelper):  # found by its plain name too
+            sys.modules.setdefault(top, CallersHelper(top))
         if fromlist:
             return module
         return sys.modules[f"{self.helpers}.{top}"]  # ``import a.b`` binds ``a``
 
 
-def _installed(top: str) -> bool:
-    """Whether the import system finds ``top`` without this module's finders."""
-    if top in sys.modules or top in sys.builtin_module_names:
+def _installed(top: str, repository: Path) -> bool:
+    """Whether the import system finds ``top`` without this module's finders, as a module
+    or package outside the model repository (a folder without ``__init__.py``, or a file
+    of a model that put its folder on ``sys.path``, is not an installed module)."""
+    present = sys.modules.get(top)
+    if present is not None:
+        return not isinstance(present, CallersHelper)
+    if top in sys.builtin_module_names:
         return True
     for finder in list(sys.meta_path):
         if finder is _FINDER or finder is _FALLBACK or not hasattr(finder, "find_spec"):
             continue
         try:
-            if finder.find_spec(top, None) is not None:
-                return True
+            spec = finder.find_spec(top, None)
         except (ImportError, ValueError):
             continue
+        if spec is None:
+            continue
+        origin = spec.origin
+        if origin is None or origin == "namespace":
+            continue  # a folder: a regular module beside the model comes first
+        if origin in ("built-in", "frozen") or not Path(origin).is_relative_to(repository):
+            return True
     return False
+
+
+class CallersHelper(ModuleType):
+    """``sys.modules[name]`` for a module beside a model, found by its plain name where the
+    model's ``__import__`` is not asked (unpickling an object whose class it defines,
+    ``importlib.import_module``): each attribute read is that of the module of this name
+    beside the innermost running model among the callers' frames."""
+
+    def _target(self) -> ModuleType:
+        record = _running(sys._getframe(2))
+        if record is None or not record.is_beside(self.__name__):
+            raise AttributeError(
+                f"module {self.__name__!r} is a model's own file, read from that model's code only"
+            )
+        return importlib.import_module(f"{record.helpers}.{self.__name__}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._target())
+
+
+def _running(frame: Any) -> _CodeImports | None:
+    """The innermost model among ``frame`` and its callers."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if isinstance(name, str) and name.startswith(f"{_MODELS}."):
+            record = getattr(sys.modules.get(".".join(name.split(".")[:2])), _RECORD, None)
+            if isinstance(record, _CodeImports):
+                return record
+        frame = frame.f_back
+    return None
 
 
 class CallersModel(ModuleType):
@@ -115,7 +170,7 @@ class CallersModel(ModuleType):
         frame = sys._getframe(1)
         while frame is not None:
             name = frame.f_globals.get("__name__", "")
-            if name.startswith(f"{_MODELS}.") and name.endswith(".model"):
+            if name.startswith(f"{_MODELS}.") and name.count(".") == 2 and name.endswith(".model"):
                 return frame.f_globals
             frame = frame.f_back  # type: ignore[assignment]
         raise AttributeError(
@@ -171,7 +226,7 @@ class _ModelPackages(importlib.abc.MetaPathFinder):
 
 
 class _Existing(importlib.abc.Loader):
-    """Gives an import by another name the model's module already imported (its spec kept)."""
+    """Gives an import the module already made (its spec kept)."""
 
     def __init__(self, module: ModuleType) -> None:
         self._module = module
@@ -181,33 +236,23 @@ class _Existing(importlib.abc.Loader):
         return self._module
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._spec  # the import set it to the spec of the other name
+        module.__spec__ = self._spec  # the import set it to the spec it was given
 
 
 class _PlainNames(importlib.abc.MetaPathFinder):
     """The last finder of ``sys.meta_path``: what goes around a model's ``__import__``
     (``importlib.import_module("helper")`` in its code) finds the model's own top-level
-    modules too, the running model being the innermost among the caller's frames."""
+    modules too, through a `CallersHelper` of that name."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if path is not None or "." in fullname:
             return None
-        frame = sys._getframe(1)
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if isinstance(name, str) and name.startswith(f"{_MODELS}."):
-                break
-            frame = frame.f_back  # type: ignore[assignment]
-        else:
+        record = _running(sys._getframe(1))
+        if record is None or not record.is_beside(fullname):
             return None
-        record = getattr(sys.modules.get(".".join(name.split(".")[:2])), _RECORD, None)
-        if not isinstance(record, _CodeImports) or not record.is_beside(fullname):
-            return None
-        qualified = f"{record.helpers}.{fullname}"
-        module = importlib.import_module(qualified)
-        return importlib.util.spec_from_loader(qualified, _Existing(module))
+        return importlib.util.spec_from_loader(fullname, _Existing(CallersHelper(fullname)))
 
 
 _FINDER = _ModelPackages()
@@ -237,7 +282,7 @@ def import_code_file(path: Path, label: str) -> ModuleType:
         ModelLoadError: the file cannot be imported, or importing it raised (the message
             names the file and keeps the original error).
     """
-    package = f"{_MODELS}.m{next(_module_ids)}_{label}"
+    package = f"{_MODELS}.m{next(_module_ids)}_{_NOT_NAME.sub('_', label)}"
     module_name = f"{package}.{path.stem}"
     folders = [str(path.parent), str(path.parent.parent)]
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -260,8 +305,10 @@ def import_code_file(path: Path, label: str) -> ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except BaseException as exc:
         _forget(package)
+        if not isinstance(exc, Exception):
+            raise
         raise ModelLoadError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
     return module
 
@@ -278,5 +325,10 @@ def forget_code(code: object) -> None:
 
 
 def _forget(package: str) -> None:
+    record = getattr(sys.modules.get(package), _RECORD, None)
     for name in [n for n in list(sys.modules) if n == package or n.startswith(f"{package}.")]:
         sys.modules.pop(name, None)
+    if isinstance(record, _CodeImports):  # the plain names (made again where still needed)
+        for top in list(record.beside):
+            if isinstance(sys.modules.get(top), CallersHelper):
+                sys.modules.pop(top, None)

@@ -122,7 +122,11 @@ class FunctionBackend(Backend):
 
     def load(self) -> list[LoadedInstance]:
         """One instance per device of ``instance_group``, initialised (no compilation)."""
-        return [self._instance(i, d) for i, d in enumerate(devices(self.model))]
+        try:
+            return [self._instance(i, d) for i, d in enumerate(devices(self.model))]
+        except BaseException:
+            self.close()  # a model that did not load leaves nothing in sys.modules
+            raise
 
     def close(self) -> None:
         """What the model's code imported after its load leaves ``sys.modules``."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TypedDict
 
 import attrs
@@ -28,6 +29,7 @@ from ..backends import (
     auto_complete,
     check_model,
     complete_onnx_config,
+    forget_code,
     import_code_file,
     stub_name_problem,
 )
@@ -341,6 +343,23 @@ def load_model_code(entry: RepositoryEntry, version: int) -> Model:
         if problem:
             raise ConfigError(problem)
     module = import_code_file(path, f"{entry.name}_v{version}")
+    try:
+        return _model_of_code(module, entry, config, path, directory, found)
+    except BaseException:
+        forget_code(module)  # nothing of a model that did not load stays in sys.modules
+        raise
+
+
+def _model_of_code(
+    module: ModuleType,
+    entry: RepositoryEntry,
+    config: ModelConfig,
+    path: Path,
+    directory: Path,
+    found: _Found,
+) -> Model:
+    """The `Model` that the imported ``model.py`` of ``entry`` defines."""
+    config_source, version = found["config_source"], found["version"]
     triton_model = getattr(module, "TritonPythonModel", None)
     if isinstance(triton_model, type):
         if entry.auto_complete:

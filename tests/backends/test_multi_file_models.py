@@ -7,7 +7,9 @@ words."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import pickle
 import re
 import sys
 from collections.abc import Iterator
@@ -299,11 +301,13 @@ async def test_imports_inside_initialize_and_execute_find_the_models_own_files(
             second = (await server.infer("second", {"X": x})).outputs["Y"]
             assert first.tolist() == [13.0, 15.0]  # x * 2 + 10 + 1
             assert second.tolist() == [104.0, 107.0]  # x * 3 + 100 + 1
-        for name in ("helper", "late", "scaler"):
-            assert name not in sys.modules
+        for name in ("helper", "late", "scaler"):  # no model's module under its plain name
+            assert getattr(sys.modules.get(name), "__file__", None) is None
         kept = [n for n in sys.modules if n.startswith("_orchestrion_models.") and "late" in n]
         assert kept != []  # under names of the model's own while it is loaded
     assert [n for n in sys.modules if n.startswith("_orchestrion_models.") and "late" in n] == []
+    for name in ("helper", "late", "scaler"):
+        assert name not in sys.modules
 
 
 async def test_an_import_that_nothing_finds_fails_the_request_only(tmp_path: Path) -> None:
@@ -354,7 +358,7 @@ class TritonPythonModel:
         from . import relative           # the version folder, relatively
 
         again = importlib.import_module("helper")  # around the import statement
-        assert again is helper, (again, helper)
+        assert again.FACTOR == helper.FACTOR, (again, helper)
         note = importlib.resources.files(tools).joinpath("note.txt").read_text()
         value = (helper.FACTOR * SCALE + relative.EXTRA + ring_a.total() + utils.tool.TOOL
                  + len(note))
@@ -409,5 +413,90 @@ async def test_later_imports_follow_pythons_rules_within_each_model(tmp_path: Pa
         assert answers == [_deep_answer(1)] * 20
         assert (await server.infer("two", {"X": x})).outputs["Y"].tolist() == [_deep_answer(2)] * 2
         for name in ("helper", "ring_a", "ring_b", "tools", "utils", "utils.tool", "relative"):
-            assert name not in sys.modules
+            assert getattr(sys.modules.get(name), "__file__", None) is None
     assert [n for n in sys.modules if n.startswith("_orchestrion_models.")] == []
+    for name in ("helper", "ring_a", "ring_b", "tools", "utils", "utils.tool", "relative"):
+        assert name not in sys.modules
+
+
+PICKLING_MODEL = """
+import os
+import pickle
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # common in Triton models: harmless here
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import shapes
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        with open(os.path.join(os.path.dirname(__file__), "shape.pkl"), "rb") as file:
+            self.shape = pickle.load(file)  # of a class beside the model, pickled as shapes.Square
+        assert isinstance(self.shape, shapes.Square), type(self.shape)
+
+    def execute(self, requests):
+        import utils  # beside the model; a folder of that name elsewhere on the path is not it
+
+        value = self.shape.area() + utils.BONUS
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.full(2, value, np.float32))])
+            for _ in requests
+        ]
+"""
+
+SHAPES = """
+class Square:
+    def __init__(self, side):
+        self.side = side
+
+    def area(self):
+        return self.side * self.side * {scale}
+"""
+
+
+def _pickling_model(root: Path, name: str, side: int, scale: int, bonus: int) -> None:
+    version = root / name / "1"
+    version.mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    (version / "model.py").write_text(PICKLING_MODEL)
+    (version / "shapes.py").write_text(SHAPES.format(scale=scale))
+    # In the model's folder, which no model puts on sys.path: only the namespace folder of
+    # that name elsewhere on the path could be found there.
+    (root / name / "utils.py").write_text(f"BONUS = {bonus}\n")
+    spec = importlib.util.spec_from_file_location("shapes", version / "shapes.py")
+    assert spec is not None
+    assert spec.loader is not None
+    shapes = importlib.util.module_from_spec(spec)
+    sys.modules["shapes"] = shapes  # pickled where the file was the top-level module shapes
+    try:
+        spec.loader.exec_module(shapes)
+        (version / "shape.pkl").write_bytes(pickle.dumps(shapes.Square(side)))
+    finally:
+        del sys.modules["shapes"]
+
+
+async def test_unpickling_and_sys_path_habits_of_triton_models_keep_models_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects pickled with a class beside the model unpickle in ``initialize``; a model
+    that puts its own folder on ``sys.path`` (as many Triton models do), a folder name with
+    a dot, and a folder without ``__init__.py`` of a helper's name elsewhere on the path
+    change nothing: each model gets its own files."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "utils").mkdir(parents=True)  # a namespace folder, not a module
+    sys.path.append(str(elsewhere))
+    repository = tmp_path / "repository"
+    _pickling_model(repository, "square.v2", side=3, scale=1, bonus=100)
+    _pickling_model(repository, "other", side=2, scale=10, bonus=1000)
+    x = np.array([1.0, 2.0], np.float32)
+    async with orchestrion.open_server(model_repository=repository) as server:
+        for _ in range(2):
+            assert (await server.infer("square.v2", {"X": x})).outputs["Y"].tolist() == [109.0] * 2
+            assert (await server.infer("other", {"X": x})).outputs["Y"].tolist() == [1040.0] * 2
+    for name in ("shapes", "utils"):
+        assert name not in sys.modules
