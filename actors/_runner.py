@@ -180,7 +180,11 @@ class ModelRunner:
         from ._watchdog import loop_holder
 
         self.pool.holder = loop_holder()  # the loop this runner's inline work holds
-        await trio.to_thread.run_sync(passing_holds(self.pool.load))  # see _load_lock
+        try:
+            await trio.to_thread.run_sync(passing_holds(self.pool.load))  # see _load_lock
+        except BaseException:
+            self.backend.close()  # what a load that failed (or was cancelled) acquired
+            raise
         self.streams.size(len(self.instances))
         try:
             # The backend's own tasks (`Backend.run`) outlive the instances' last execution.

@@ -50,6 +50,9 @@ _RECORD = "__orchestrion_imports__"
 """The name, in a model's package, of its `_CodeImports`."""
 _ROOT_LOCK = threading.Lock()
 _NOT_NAME = re.compile(r"\W")
+_MODEL_FOLDERS: dict[str, tuple[Path, ...]] = {}
+"""The folders of each loaded model's code, by package: nothing in them is an installed
+module, even where a model put one on ``sys.path``."""
 """What a package name may not hold (a model's folder name may: ``bert.v2``)."""
 
 
@@ -60,7 +63,6 @@ class _CodeImports:
         self.package = package
         self.helpers = f"{package}.{_HELPERS}"
         self.folders = folders
-        self.repository = Path(folders[-1]).parent  # the model repository's root
         self.beside: dict[str, bool] = {}  # top-level names found to be the model's
         self.builtins = {**vars(builtins), "__import__": self.import_}
 
@@ -70,7 +72,7 @@ class _CodeImports:
         Only a yes is remembered (a file written later is found then)."""
         if top in self.beside:
             return True
-        found = not _installed(top, self.repository) and (
+        found = not _installed(top) and (
             importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
         )
         if found:
@@ -94,22 +96,50 @@ class _CodeImports:
                 raise ModuleNotFoundError(f"No module named {top!r}", name=top)
             return builtins.__import__(name, globals, locals, fromlist or (), level)
         module = builtins.__import__(f"{self.helpers}.{name}", globals, locals, fromlist or (), 0)
-        if not isinstance(sys.modules.get(top), CallersHelper):  # found by its plain name too
-            sys.modules.setdefault(top, CallersHelper(top))
+        _plain_names(name)
         if fromlist:
             return module
         return sys.modules[f"{self.helpers}.{top}"]  # ``import a.b`` binds ``a``
 
 
-def _installed(top: str, repository: Path) -> bool:
+def _plain_names(name: str) -> None:
+    """``sys.modules`` entries for ``name`` and its packages (``a``, ``a.b``): what code
+    that finds modules by their plain names (C pickle) reads after importing them."""
+    parts = name.split(".")
+    for end in range(1, len(parts) + 1):
+        plain = ".".join(parts[:end])
+        if not isinstance(sys.modules.get(plain), CallersHelper):
+            sys.modules.setdefault(plain, CallersHelper(plain))
+
+
+def _in_model_folders(origin: str) -> bool:
+    file = Path(origin).resolve()
+    return any(file.is_relative_to(f) for fs in list(_MODEL_FOLDERS.values()) for f in fs)
+
+
+def _installed(top: str) -> bool:
     """Whether the import system finds ``top`` without this module's finders, as a module
-    or package outside the model repository (a folder without ``__init__.py``, or a file
-    of a model that put its folder on ``sys.path``, is not an installed module)."""
+    or package of its own: not a folder without ``__init__.py``, and not a file of a loaded
+    model (which a model may have put on ``sys.path``)."""
     present = sys.modules.get(top)
     if present is not None:
-        return not isinstance(present, CallersHelper)
-    if top in sys.builtin_module_names:
+        if isinstance(present, CallersHelper):
+            return False
+        spec = getattr(present, "__spec__", None)
+        origin = getattr(spec, "origin", None) if spec is not None else "unknown"
+    elif top in sys.builtin_module_names:
         return True
+    else:
+        origin = _found_origin(top)
+        if origin is None:
+            return False
+    if origin is None or origin == "namespace":
+        return False  # a folder: a regular module beside the model comes first
+    return origin in ("built-in", "frozen", "unknown") or not _in_model_folders(origin)
+
+
+def _found_origin(top: str) -> str | None:
+    """Where the import system's other finders find ``top`` ("namespace" for a folder)."""
     for finder in list(sys.meta_path):
         if finder is _FINDER or finder is _FALLBACK or not hasattr(finder, "find_spec"):
             continue
@@ -117,14 +147,9 @@ def _installed(top: str, repository: Path) -> bool:
             spec = finder.find_spec(top, None)
         except (ImportError, ValueError):
             continue
-        if spec is None:
-            continue
-        origin = spec.origin
-        if origin is None or origin == "namespace":
-            continue  # a folder: a regular module beside the model comes first
-        if origin in ("built-in", "frozen") or not Path(origin).is_relative_to(repository):
-            return True
-    return False
+        if spec is not None:
+            return spec.origin or "namespace"
+    return None
 
 
 class CallersHelper(ModuleType):
@@ -133,9 +158,13 @@ class CallersHelper(ModuleType):
     ``importlib.import_module``): each attribute read is that of the module of this name
     beside the innermost running model among the callers' frames."""
 
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
     def _target(self) -> ModuleType:
         record = _running(sys._getframe(2))
-        if record is None or not record.is_beside(self.__name__):
+        if record is None or not record.is_beside(self.__name__.partition(".")[0]):
             raise AttributeError(
                 f"module {self.__name__!r} is a model's own file, read from that model's code only"
             )
@@ -213,6 +242,10 @@ class _ModelPackages(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        if "." in fullname and isinstance(sys.modules.get(fullname.split(".")[0]), CallersHelper):
+            # A submodule of a model's module by its plain name (pickle, import_module):
+            # never a module of its own under that name.
+            return _FALLBACK.find_spec(fullname, path, target)
         if path is None or not fullname.startswith(f"{_MODELS}."):
             return None
         package = sys.modules.get(".".join(fullname.split(".")[:2]))
@@ -247,11 +280,15 @@ class _PlainNames(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if path is not None or "." in fullname:
-            return None
+        top = fullname.partition(".")[0]
+        if path is not None and not isinstance(sys.modules.get(top), CallersHelper):
+            return None  # a submodule of a real package
         record = _running(sys._getframe(1))
-        if record is None or not record.is_beside(fullname):
+        if record is None or not record.is_beside(top):
             return None
+        importlib.import_module(f"{record.helpers}.{fullname}")  # it exists: or an error
+        if "." in fullname:
+            _plain_names(fullname.rpartition(".")[0])  # its packages (the import enters it)
         return importlib.util.spec_from_loader(fullname, _Existing(CallersHelper(fullname)))
 
 
@@ -285,6 +322,7 @@ def import_code_file(path: Path, label: str) -> ModuleType:
     package = f"{_MODELS}.m{next(_module_ids)}_{_NOT_NAME.sub('_', label)}"
     module_name = f"{package}.{path.stem}"
     folders = [str(path.parent), str(path.parent.parent)]
+    _MODEL_FOLDERS[package] = (path.parent.resolve(), path.parent.parent.resolve())
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{path}: cannot be imported as a Python module")
@@ -326,9 +364,19 @@ def forget_code(code: object) -> None:
 
 def _forget(package: str) -> None:
     record = getattr(sys.modules.get(package), _RECORD, None)
+    _MODEL_FOLDERS.pop(package, None)
     for name in [n for n in list(sys.modules) if n == package or n.startswith(f"{package}.")]:
         sys.modules.pop(name, None)
-    if isinstance(record, _CodeImports):  # the plain names (made again where still needed)
-        for top in list(record.beside):
-            if isinstance(sys.modules.get(top), CallersHelper):
-                sys.modules.pop(top, None)
+    if not isinstance(record, _CodeImports):
+        return
+    # The plain names that no other loaded model has beside it (a proxy is made again by
+    # the next import that needs it, in any case).
+    others = [
+        getattr(sys.modules.get(p), _RECORD, None) for p in list(_MODEL_FOLDERS) if p != package
+    ]
+    still = {top for other in others if isinstance(other, _CodeImports) for top in other.beside}
+    for name in list(sys.modules):
+        top = name.partition(".")[0]
+        stale = top in record.beside and top not in still
+        if stale and isinstance(sys.modules.get(name), CallersHelper):
+            sys.modules.pop(name, None)

@@ -437,11 +437,19 @@ class TritonPythonModel:
         with open(os.path.join(os.path.dirname(__file__), "shape.pkl"), "rb") as file:
             self.shape = pickle.load(file)  # of a class beside the model, pickled as shapes.Square
         assert isinstance(self.shape, shapes.Square), type(self.shape)
+        with open(os.path.join(os.path.dirname(__file__), "part.pkl"), "rb") as file:
+            self.part = pickle.load(file)  # of a class in a package beside it: kit.parts.Part
+        import kit.parts
+
+        assert isinstance(self.part, kit.parts.Part), type(self.part)
 
     def execute(self, requests):
+        import importlib
+
         import utils  # beside the model; a folder of that name elsewhere on the path is not it
 
-        value = self.shape.area() + utils.BONUS
+        extra = importlib.import_module("kit.extra")  # a package's module by its plain name
+        value = self.shape.area() + utils.BONUS + self.part.size + extra.VALUE
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.full(2, value, np.float32))])
             for _ in requests
@@ -467,16 +475,24 @@ def _pickling_model(root: Path, name: str, side: int, scale: int, bonus: int) ->
     # In the model's folder, which no model puts on sys.path: only the namespace folder of
     # that name elsewhere on the path could be found there.
     (root / name / "utils.py").write_text(f"BONUS = {bonus}\n")
-    spec = importlib.util.spec_from_file_location("shapes", version / "shapes.py")
-    assert spec is not None
-    assert spec.loader is not None
-    shapes = importlib.util.module_from_spec(spec)
-    sys.modules["shapes"] = shapes  # pickled where the file was the top-level module shapes
+    (version / "kit").mkdir()
+    (version / "kit" / "__init__.py").write_text("")
+    (version / "kit" / "extra.py").write_text(f"VALUE = {side}\n")
+    (version / "kit" / "parts.py").write_text(
+        f"class Part:\n    def __init__(self):\n        self.size = {side * 10000}\n"
+    )
+    # Pickled where the files were the top-level modules shapes and kit.parts.
+    monkeypatch = pytest.MonkeyPatch()
     try:
-        spec.loader.exec_module(shapes)
+        monkeypatch.syspath_prepend(str(version))
+        shapes = importlib.import_module("shapes")
         (version / "shape.pkl").write_bytes(pickle.dumps(shapes.Square(side)))
+        parts = importlib.import_module("kit.parts")
+        (version / "part.pkl").write_bytes(pickle.dumps(parts.Part()))
     finally:
-        del sys.modules["shapes"]
+        for name in ("shapes", "kit", "kit.parts"):
+            sys.modules.pop(name, None)
+        monkeypatch.undo()
 
 
 async def test_unpickling_and_sys_path_habits_of_triton_models_keep_models_apart(
@@ -490,13 +506,15 @@ async def test_unpickling_and_sys_path_habits_of_triton_models_keep_models_apart
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "utils").mkdir(parents=True)  # a namespace folder, not a module
     sys.path.append(str(elsewhere))
-    repository = tmp_path / "repository"
-    _pickling_model(repository, "square.v2", side=3, scale=1, bonus=100)
-    _pickling_model(repository, "other", side=2, scale=10, bonus=1000)
+    _pickling_model(tmp_path / "repository", "square.v2", side=3, scale=1, bonus=100)
+    _pickling_model(tmp_path / "repository", "other", side=2, scale=10, bonus=1000)
+    monkeypatch.chdir(tmp_path)  # the repository named relative to the working folder
     x = np.array([1.0, 2.0], np.float32)
-    async with orchestrion.open_server(model_repository=repository) as server:
+    async with orchestrion.open_server(model_repository="repository") as server:
         for _ in range(2):
-            assert (await server.infer("square.v2", {"X": x})).outputs["Y"].tolist() == [109.0] * 2
-            assert (await server.infer("other", {"X": x})).outputs["Y"].tolist() == [1040.0] * 2
-    for name in ("shapes", "utils"):
+            square = (await server.infer("square.v2", {"X": x})).outputs["Y"].tolist()
+            assert square == [30112.0] * 2  # 3 * 3 * 1 + 100 + 30000 + 3
+            other = (await server.infer("other", {"X": x})).outputs["Y"].tolist()
+            assert other == [21042.0] * 2  # 2 * 2 * 10 + 1000 + 20000 + 2
+    for name in ("shapes", "utils", "kit", "kit.parts", "kit.extra"):
         assert name not in sys.modules
