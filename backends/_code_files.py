@@ -64,17 +64,22 @@ class _CodeImports:
         self.helpers = f"{package}.{_HELPERS}"
         self.folders = folders
         self.beside: dict[str, bool] = {}  # top-level names found to be the model's
+        self._installed: set[str] = set()  # top-level names found to be installed modules
         self.builtins = {**vars(builtins), "__import__": self.import_}
 
     def is_beside(self, top: str) -> bool:
         """Whether ``import top`` names the model's own file or folder: not an installed
         module (those come first, as on the stub's path) and found in the model's folders.
-        Only a yes is remembered (a file written later is found then)."""
+        Both a yes and an installed module are remembered; a name found nowhere is looked
+        for again (a file written later is found then)."""
         if top in self.beside:
             return True
-        found = not _installed(top) and (
-            importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
-        )
+        if top in self._installed:
+            return False
+        if _installed(top):
+            self._installed.add(top)
+            return False
+        found = importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
         if found:
             self.beside[top] = True
         return found
