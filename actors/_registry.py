@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..backends import check_model
+from ..backends import check_model, forget_model
 from ..caches import CacheActor
 from ..protocols import (
     ConfigError,
@@ -247,10 +247,15 @@ class ModelRegistry:
             ConfigError: the set would be invalid (every problem listed).
             ModelLoadError: a model's code failed to load or compile.
         """
-        async with self._lock.hold():
-            if self._models.closing:
-                raise ServerClosedError("the server is shutting down")
-            await self._load_locked(models, replace=replace)
+        try:
+            async with self._lock.hold():
+                if self._models.closing:
+                    raise ServerClosedError("the server is shutting down")
+                await self._load_locked(models, replace=replace)
+        except BaseException:
+            for model in models:  # none of them serves: code files leave sys.modules
+                forget_model(model)
+            raise
 
     async def _load_locked(self, models: Sequence[Model], *, replace: bool) -> None:
         new = self._checked(models, replace=replace)

@@ -17,6 +17,7 @@ from ._base import Capabilities as Capabilities
 from ._base import LoadedInstance as LoadedInstance
 from ._base import ServerCalls as ServerCalls
 from ._code_files import forget_code as forget_code
+from ._code_files import forget_model as forget_model
 from ._code_files import import_code_file as import_code_file
 from ._function import host_tensors as host_tensors
 from ._function import response_on_host as response_on_host

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..protocols import ModelLoadError
+from ..protocols import Function, Model, ModelLoadError, TritonClass
 
 _module_ids = itertools.count()
 
@@ -365,6 +365,15 @@ def forget_code(code: object) -> None:
     module = module if isinstance(module, str) else ""
     if module.startswith(f"{_MODELS}."):
         _forget(".".join(module.split(".")[:2]))
+
+
+def forget_model(model: Model) -> None:
+    """`forget_code` for a `Model` whose code came from a code file (others: nothing)."""
+    code = model.code
+    if isinstance(code, TritonClass):
+        forget_code(code.model_class)
+    elif isinstance(code, Function):
+        forget_code(code.execute)
 
 
 def _forget(package: str) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import trio
 from rich.console import Console
 
+from ..backends import forget_model
 from ..protocols import (
     CacheUnavailableError,
     ConfigError,
@@ -162,11 +163,14 @@ def _validate(root: Path, console: Console) -> int:
     for entry in entries:
         for version in entry.versions:
             try:
-                configs[entry.name] = load_model_code(entry, version).config
+                model = load_model_code(entry, version)
             except ConfigError as exc:
                 errors.extend(exc.errors)
             except ModelLoadError as exc:
                 errors.append(str(exc))
+            else:
+                configs[entry.name] = model.config
+                forget_model(model)  # checked, not served: its code leaves sys.modules
     errors.extend(
         validate_repository(
             configs,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from ..backends import forget_model
 from ..protocols import ConfigError, Model, ModelLoadError
 from ._entries import RepositoryEntry
 from ._folders import (
@@ -126,6 +127,9 @@ def load_code(entries: Sequence[RepositoryEntry]) -> list[Model]:
             except ModelLoadError as exc:
                 broken.append(str(exc))
                 failed_import = True
+    if broken:  # none of them loads: what was imported leaves sys.modules
+        for model in models:
+            forget_model(model)
     if failed_import:
         raise ModelLoadError("\n".join(broken))
     if broken:

@@ -414,7 +414,8 @@ async def test_later_imports_follow_pythons_rules_within_each_model(tmp_path: Pa
         assert (await server.infer("two", {"X": x})).outputs["Y"].tolist() == [_deep_answer(2)] * 2
         for name in ("helper", "ring_a", "ring_b", "tools", "utils", "utils.tool", "relative"):
             assert getattr(sys.modules.get(name), "__file__", None) is None
-    assert [n for n in sys.modules if n.startswith("_orchestrion_models.")] == []
+    mine = [n for n in sys.modules if n.startswith("_orchestrion_models.") and "_one_" in n]
+    assert [*mine, *(n for n in sys.modules if "_two_v" in n)] == []
     for name in ("helper", "ring_a", "ring_b", "tools", "utils", "utils.tool", "relative"):
         assert name not in sys.modules
 
@@ -518,3 +519,41 @@ async def test_unpickling_and_sys_path_habits_of_triton_models_keep_models_apart
             assert other == [21042.0] * 2  # 2 * 2 * 10 + 1000 + 20000 + 2
     for name in ("shapes", "utils", "kit", "kit.parts", "kit.extra"):
         assert name not in sys.modules
+
+
+async def test_code_of_models_that_do_not_serve_leaves_sys_modules(tmp_path: Path) -> None:
+    """A repository whose set of models is invalid (an ensemble naming a model that is not
+    there) after the code files were imported, and ``orchestrion validate`` of it: what
+    was imported leaves sys.modules."""
+    _late_model(tmp_path, "fine", base=1, scale=1)
+    (tmp_path / "ens" / "1").mkdir(parents=True)
+    (tmp_path / "ens" / "config.pbtxt").write_text(
+        'name: "ens"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'ensemble_scheduling { step [ { model_name: "absent" '
+        'input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } } ] }\n'
+    )
+    with pytest.raises(orchestrion.ConfigError, match="absent"):
+        async with orchestrion.open_server(model_repository=tmp_path):
+            pass
+    assert [n for n in sys.modules if "_fine_v1" in n] == []
+    with trio.fail_after(120):  # in a process of its own: this one imported code already
+        validate = await trio.run_process(
+            [sys.executable, "-c", VALIDATE_AND_LIST, str(tmp_path)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    out = validate.stdout.decode() + validate.stderr.decode()
+    assert validate.stdout.decode().strip().splitlines()[-1] == "[]", out
+
+
+VALIDATE_AND_LIST = """
+import sys
+from pathlib import Path
+from rich.console import Console
+from orchestrion.frontends._cli import _validate
+assert _validate(Path(sys.argv[1]), Console(quiet=True)) == 1
+print([n for n in sys.modules if n.startswith("_orchestrion_models.")])
+"""
