@@ -46,13 +46,8 @@ _MODELS = "_orchestrion_models"
 """The parent package of every model's code (empty)."""
 _HELPERS = "__imports__"
 """The package, under a model's own, of the modules its plain imports find beside it."""
-_RECORD = "__orchestrion_imports__"
-"""The name, in a model's package, of its `_CodeImports`."""
 _ROOT_LOCK = threading.Lock()
 _NOT_NAME = re.compile(r"\W")
-_MODEL_FOLDERS: dict[str, tuple[Path, ...]] = {}
-"""The folders of each loaded model's code, by package: nothing in them is an installed
-module, even where a model put one on ``sys.path``."""
 """What a package name may not hold (a model's folder name may: ``bert.v2``)."""
 
 
@@ -63,7 +58,8 @@ class _CodeImports:
         self.package = package
         self.helpers = f"{package}.{_HELPERS}"
         self.folders = folders
-        self.beside: dict[str, bool] = {}  # top-level names found to be the model's
+        self.resolved = [Path(f).resolve() for f in folders]
+        self.beside: set[str] = set()  # top-level names found to be the model's
         self._installed: set[str] = set()  # top-level names found to be installed modules
         self.builtins = {**vars(builtins), "__import__": self.import_}
 
@@ -81,7 +77,7 @@ class _CodeImports:
             return False
         found = importlib.machinery.PathFinder.find_spec(top, self.folders) is not None
         if found:
-            self.beside[top] = True
+            self.beside.add(top)
         return found
 
     def import_(
@@ -113,13 +109,12 @@ def _plain_names(name: str) -> None:
     parts = name.split(".")
     for end in range(1, len(parts) + 1):
         plain = ".".join(parts[:end])
-        if not isinstance(sys.modules.get(plain), CallersHelper):
-            sys.modules.setdefault(plain, CallersHelper(plain))
+        sys.modules.setdefault(plain, CallersHelper(plain))
 
 
 def _in_model_folders(origin: str) -> bool:
     file = Path(origin).resolve()
-    return any(file.is_relative_to(f) for fs in list(_MODEL_FOLDERS.values()) for f in fs)
+    return any(file.is_relative_to(f) for code in list(_LOADED.values()) for f in code.resolved)
 
 
 def _installed(top: str) -> bool:
@@ -157,6 +152,16 @@ def _found_origin(top: str) -> str | None:
     return None
 
 
+_LOADED: dict[str, _CodeImports] = {}
+"""Each loaded model's code, by package; nothing in their folders is an installed module,
+even where a model put one on ``sys.path``."""
+
+
+def _record_of(name: str) -> _CodeImports | None:
+    """The code of the model whose package holds module ``name``."""
+    return _LOADED.get(".".join(name.split(".")[:2]))
+
+
 class CallersHelper(ModuleType):
     """``sys.modules[name]`` for a module beside a model, found by its plain name where the
     model's ``__import__`` is not asked (unpickling an object whose class it defines,
@@ -187,8 +192,8 @@ def _running(frame: Any) -> _CodeImports | None:
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if isinstance(name, str) and name.startswith(f"{_MODELS}."):
-            record = getattr(sys.modules.get(".".join(name.split(".")[:2])), _RECORD, None)
-            if isinstance(record, _CodeImports):
+            record = _record_of(name)
+            if record is not None:
                 return record
         frame = frame.f_back
     return None
@@ -253,9 +258,8 @@ class _ModelPackages(importlib.abc.MetaPathFinder):
             return _FALLBACK.find_spec(fullname, path, target)
         if path is None or not fullname.startswith(f"{_MODELS}."):
             return None
-        package = sys.modules.get(".".join(fullname.split(".")[:2]))
-        record = getattr(package, _RECORD, None)
-        if not isinstance(record, _CodeImports):
+        record = _record_of(fullname)
+        if record is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None and spec.origin is not None:
@@ -301,12 +305,11 @@ _FINDER = _ModelPackages()
 _FALLBACK = _PlainNames()
 
 
-def _package(name: str, path: list[str], record: _CodeImports) -> ModuleType:
+def _package(name: str, path: list[str]) -> ModuleType:
     holder = ModuleType(name)
     holder.__path__ = path
     holder.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     holder.__spec__.submodule_search_locations = path
-    setattr(holder, _RECORD, record)
     return holder
 
 
@@ -327,11 +330,10 @@ def import_code_file(path: Path, label: str) -> ModuleType:
     package = f"{_MODELS}.m{next(_module_ids)}_{_NOT_NAME.sub('_', label)}"
     module_name = f"{package}.{path.stem}"
     folders = [str(path.parent), str(path.parent.parent)]
-    _MODEL_FOLDERS[package] = (path.parent.resolve(), path.parent.parent.resolve())
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{path}: cannot be imported as a Python module")
-    record = _CodeImports(package, folders)
+    record = _LOADED[package] = _CodeImports(package, folders)
     with _ROOT_LOCK:
         if _MODELS not in sys.modules:
             root = sys.modules[_MODELS] = ModuleType(_MODELS)
@@ -341,8 +343,8 @@ def import_code_file(path: Path, label: str) -> ModuleType:
         if _FINDER not in sys.meta_path:
             sys.meta_path.insert(0, _FINDER)
             sys.meta_path.append(_FALLBACK)
-    sys.modules[package] = _package(package, [str(path.parent)], record)
-    sys.modules[record.helpers] = _package(record.helpers, folders, record)
+    sys.modules[package] = _package(package, [str(path.parent)])
+    sys.modules[record.helpers] = _package(record.helpers, folders)
     module = importlib.util.module_from_spec(spec)
     module.__dict__["__builtins__"] = record.builtins
     sys.modules[module_name] = module
@@ -377,18 +379,14 @@ def forget_model(model: Model) -> None:
 
 
 def _forget(package: str) -> None:
-    record = getattr(sys.modules.get(package), _RECORD, None)
-    _MODEL_FOLDERS.pop(package, None)
+    record = _LOADED.pop(package, None)
     for name in [n for n in list(sys.modules) if n == package or n.startswith(f"{package}.")]:
         sys.modules.pop(name, None)
-    if not isinstance(record, _CodeImports):
+    if record is None:
         return
     # The plain names that no other loaded model has beside it (a proxy is made again by
     # the next import that needs it, in any case).
-    others = [
-        getattr(sys.modules.get(p), _RECORD, None) for p in list(_MODEL_FOLDERS) if p != package
-    ]
-    still = {top for other in others if isinstance(other, _CodeImports) for top in other.beside}
+    still = {top for other in list(_LOADED.values()) for top in other.beside}
     for name in list(sys.modules):
         top = name.partition(".")[0]
         stale = top in record.beside and top not in still
