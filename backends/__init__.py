@@ -29,6 +29,9 @@ from ._kinds import check_model as check_model
 from ._kinds import kind_of as kind_of
 from ._kinds import model_problems as model_problems
 from ._onnx import complete_onnx_config as complete_onnx_config
+from ._response_order import RESPONSE_ORDER as RESPONSE_ORDER
+from ._response_order import OrderedRequest as OrderedRequest
+from ._response_order import ResponseOrder as ResponseOrder
 from ._rows import concatenate as concatenate
 from ._rows import join_inputs as join_inputs
 from ._rows import repeat_last_row as repeat_last_row

@@ -13,6 +13,7 @@ import trio
 
 from ..protocols import InferRequest, ParameterizedOutputs, ServerClosedError, parameters_of
 from ._base import LoadedInstance
+from ._response_order import RESPONSE_ORDER
 from ._triton_api import InferenceResponse, TritonModelException
 from ._triton_calls import in_trio_worker_thread
 from ._triton_host import TritonHost
@@ -37,6 +38,8 @@ class PushedStream:
         self._reader_gone = False
         self._token = trio.lowlevel.current_trio_token()
         self._sender = InferenceResponseSender(self._deliver, self._is_cancelled)
+        ordered = RESPONSE_ORDER.get()  # the client's stream writes responses as sent
+        self._ordered = ordered if ordered and ordered.claim(backend.model.name) else None
 
     def __aiter__(self) -> PushedStream:
         return self
@@ -131,6 +134,8 @@ class PushedStream:
         if response is not None:
             declared = self._backend.declared
             item = declared.outputs_of(response)
+            if self._ordered is not None:
+                self._ordered.sent()  # its place among the client stream's responses
         try:
             if in_trio_worker_thread():
                 trio.from_thread.run(self._push, item, final)

@@ -21,6 +21,7 @@ import trio
 from tritonclient.grpc import service_pb2
 
 from .._server import AsyncServer
+from ..backends import RESPONSE_ORDER, OrderedRequest, ResponseOrder
 from ..protocols import (
     InferenceTimeoutError,
     InvalidRequestError,
@@ -113,6 +114,8 @@ class Stream:
     """Triton's ``triton_grpc_error: true`` header: the first error ends the stream with
     its gRPC status (`failure`) instead of travelling in it as one response's message."""
     credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
+    order: ResponseOrder = attrs.field(factory=ResponseOrder)
+    """The order decoupled models' responses go out in: as their code sent them."""
     stopping: bool = False
     failure: tuple[str, str] | None = None
     """The gRPC status code name and message the stream ended with (`status_on_error`)."""
@@ -153,10 +156,20 @@ class Stream:
             return self.failure
         return ("UNAVAILABLE", SHUTTING_DOWN) if self.stopping else None
 
-    async def emit(self, message: Any) -> None:
-        """Send one response, once the client has read enough of the earlier ones."""
-        await self.credit.acquire()
-        self.post(message)
+    async def emit(self, message: Any, ordered: OrderedRequest | None = None) -> None:
+        """Send one response, once the client has read enough of the earlier ones (and,
+        for a response of ``ordered``'s model, once those its models sent before are out)."""
+        ticket = None if ordered is None else ordered.next_ticket()
+        if ticket is None:
+            await self.credit.acquire()
+            self.post(message)
+            return
+        try:
+            await self.order.turn(ticket)
+            await self.credit.acquire()
+            self.post(message)
+        finally:
+            self.order.finish(ticket)
 
     async def submit(self, message: Any, traceparent: str | None) -> None:
         """Start one request of the stream (waits while the window is full)."""
@@ -214,6 +227,7 @@ class Stream:
             self._window.release()
 
     async def _answered(self, wire: WireRequest, traceparent: str | None) -> None:
+        ordered = None
         try:
             decoupled = self.server.is_decoupled(wire.model_name)
             if not decoupled:  # one answer: `infer` carries the timeout to the models too
@@ -221,41 +235,62 @@ class Stream:
                 message = encode_grpc_response(response, final=True, shared=wire.shared_outputs)
                 await self.emit(_stream_response(message))
                 return
-            # The stream's own deadline below covers the timeout: stream_infer takes none.
-            options = attrs.evolve(wire.options, timeout=None, traceparent=traceparent)
-            responses = self.wire.stream(wire, options)
-            final = False  # the last response came with the model's final flag
-            async with contextlib.aclosing(responses) as each:
-                with trio.fail_after(wire.options.timeout or math.inf):
-                    async for response in each:
-                        final = response.final
-                        message = encode_grpc_response(
-                            response, final=final, shared=wire.shared_outputs
-                        )
-                        await self.emit(_stream_response(message))
-            if wire.empty_final_response and not final:
-                version = str(wire.options.model_version)
-                request_id = wire.options.request_id
-                await self.emit(
-                    _stream_response(final_response(wire.model_name, version, request_id))
-                )
+            # Its model's responses go out in the order sent, among the stream's others.
+            ordered = self.order.request(wire.model_name)
+            reading = RESPONSE_ORDER.set(ordered)
+            try:
+                await self._streamed(wire, traceparent, ordered)
+            finally:
+                RESPONSE_ORDER.reset(reading)
         except trio.TooSlowError:
             error = InferenceTimeoutError(
                 f"request for model '{wire.model_name}' timed out after {wire.options.timeout} s"
             )
             version, request_id = str(wire.options.model_version), wire.options.request_id
-            await self._failed(wire.model_name, version, request_id, error)
+            await self._failed(wire.model_name, version, request_id, error, ordered)
         except Exception as exc:
             if not isinstance(exc, OrchestrionError):
                 _log.error("stream request failed unexpectedly", exc_info=exc)
             version, request_id = str(wire.options.model_version), wire.options.request_id
-            await self._failed(wire.model_name, version, request_id, exc)
+            await self._failed(wire.model_name, version, request_id, exc, ordered)
+        finally:
+            if ordered is not None:
+                ordered.close()
 
-    async def _failed(self, model: str, version: str, request_id: str, error: Exception) -> None:
-        """A request failed: its error response; or, under `status_on_error`, the end of
-        the stream with the error's status (the stream's other requests cancelled)."""
+    async def _streamed(
+        self, wire: WireRequest, traceparent: str | None, ordered: OrderedRequest
+    ) -> None:
+        """A decoupled model's responses to one request (raises what `_answered` answers)."""
+        # The stream's own deadline below covers the timeout: stream_infer takes none.
+        options = attrs.evolve(wire.options, timeout=None, traceparent=traceparent)
+        responses = self.wire.stream(wire, options)
+        final = False  # the last response came with the model's final flag
+        async with contextlib.aclosing(responses) as each:
+            with trio.fail_after(wire.options.timeout or math.inf):
+                async for response in each:
+                    final = response.final
+                    message = encode_grpc_response(
+                        response, final=final, shared=wire.shared_outputs
+                    )
+                    await self.emit(_stream_response(message), ordered)
+        if wire.empty_final_response and not final:
+            version = str(wire.options.model_version)
+            request_id = wire.options.request_id
+            await self.emit(_stream_response(final_response(wire.model_name, version, request_id)))
+
+    async def _failed(
+        self,
+        model: str,
+        version: str,
+        request_id: str,
+        error: Exception,
+        ordered: OrderedRequest | None = None,
+    ) -> None:
+        """A request failed: its error response (in its place among the responses its model
+        sent, for ``ordered``); or, under `status_on_error`, the end of the stream with the
+        error's status (the stream's other requests cancelled)."""
         if not self.status_on_error:
-            await self.emit(_error_response(model, version, request_id, error))
+            await self.emit(_error_response(model, version, request_id, error), ordered)
             return
         if self.failure is None:
             self.failure = (grpc_status(error), error_message(error))

@@ -346,3 +346,46 @@ def test_a_models_is_ready_decides_what_the_readiness_endpoints_answer(
     finally:
         drain_flag.unlink()
     assert _ready(server, "draining") == (200, True)
+
+
+def _rounds_in_order(server: Served, rounds: int, size: int) -> list[list[Any]]:
+    """``rounds`` rounds of ``size`` requests of in_order on one stream, the values counted
+    on from 0; per round, what the client read (a value, or an error's message)."""
+    received: queue.Queue[Any] = queue.Queue()
+    read: list[list[Any]] = []
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(callback=lambda result, error: received.put(error or result))
+        for first in range(0, rounds * size, size):
+            for n in range(first, first + size):
+                value = grpcclient.InferInput("IN", [1, 1], "FP32")
+                value.set_data_from_numpy(np.array([[n]], np.float32))
+                client.async_stream_infer("in_order", [value])
+            answers = [received.get(timeout=30) for _ in range(size)]
+            read.append(
+                [
+                    a.message() if isinstance(a, InferenceServerException) else a.as_numpy("OUT")
+                    for a in answers
+                ]
+            )
+        client.stop_stream()
+    return read
+
+
+def test_a_streams_client_reads_responses_in_the_order_the_model_sent_them(
+    server: Served,
+) -> None:
+    """As Triton's stub does (one queue for every response): responses that a decoupled
+    model sends from several threads, for several requests of one stream (batched), reach
+    Triton's client in the order ``send`` was called, error responses in their place. The
+    model starts its threads last-first and sends request n's response only after n-1's.
+    (test_stream_response_order.py holds the stream's credits back so that the requests'
+    tasks become ready together, which this client, reading fast, rarely makes happen.)"""
+    rounds, size = 6, 8
+    read = _rounds_in_order(server, rounds, size)
+    for r, answers in enumerate(read):
+        expected = [
+            f"request {n} fails" if n % 3 == 0 else [[float(n)]]
+            for n in range(r * size, (r + 1) * size)
+        ]
+        got = [a if isinstance(a, str) else a.tolist() for a in answers]
+        assert got == expected, f"round {r}"
