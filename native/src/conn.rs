@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::http::json_error;
+use crate::target::{encoded_request_line, HeldLine};
 
 /// The deadlines of an HTTP listener's connections.
 #[derive(Clone, Copy, Debug)]
@@ -230,6 +231,7 @@ impl Connections {
             stream,
             state: state.clone(),
             connections: self.clone(),
+            line: HeldLine::default(),
         };
         (watched, state)
     }
@@ -278,11 +280,43 @@ impl Drop for Busy {
     }
 }
 
-/// A socket that tells its `ConnState` what arrives.
+/// A socket that tells its `ConnState` what arrives, and holds back the first line of each
+/// HTTP/1 request head until it ends, to percent-encode the target's bytes that the `http`
+/// crate refuses (`target`). A head starts with the connection's first bytes, and with the
+/// first bytes after an answer was handed over while none is being answered (a request
+/// pipelined behind another's answer goes on as it came).
 pub struct Watched {
     stream: TcpStream,
     state: Arc<ConnState>,
     connections: Arc<Connections>,
+    line: HeldLine,
+}
+
+impl Watched {
+    /// Notes what arrived; whether it starts a request head.
+    fn arrived(&self, arrived: &[u8]) -> bool {
+        let state = &self.state;
+        let mut starts_head = false;
+        if !state.spoke.swap(true, Ordering::AcqRel) {
+            self.connections.spoke(state);
+            if arrived.starts_with(b"PRI") {
+                state.http2.store(true, Ordering::Release);
+            } else {
+                starts_head = true;
+            }
+            state.changed.notify_one();
+        }
+        if state.busy.load(Ordering::Acquire) == 0 {
+            let mut timing = state.timing.lock().unwrap();
+            if timing.head_started.is_none() && timing.last_done.is_some() {
+                timing.head_started = Some(Instant::now());
+                drop(timing);
+                state.changed.notify_one();
+                starts_head = !state.http2.load(Ordering::Acquire);
+            }
+        }
+        starts_head
+    }
 }
 
 impl AsyncRead for Watched {
@@ -291,31 +325,42 @@ impl AsyncRead for Watched {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
         let this = &mut *self;
-        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = polled {
-            let arrived = &buf.filled()[before..];
-            if !arrived.is_empty() {
-                let state = &this.state;
-                if !state.spoke.swap(true, Ordering::AcqRel) {
-                    this.connections.spoke(state);
-                    if arrived.starts_with(b"PRI") {
-                        state.http2.store(true, Ordering::Release);
-                    }
-                    state.changed.notify_one();
-                }
-                if state.busy.load(Ordering::Acquire) == 0 {
-                    let mut timing = state.timing.lock().unwrap();
-                    if timing.head_started.is_none() && timing.last_done.is_some() {
-                        timing.head_started = Some(Instant::now());
-                        drop(timing);
-                        state.changed.notify_one();
-                    }
-                }
+        loop {
+            if this.line.ready() || buf.remaining() == 0 {
+                this.line.hand_over(buf);
+                return Poll::Ready(Ok(()));
             }
+            let before = buf.filled().len();
+            let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+            let Poll::Ready(Ok(())) = polled else {
+                return polled;
+            };
+            if buf.filled().len() == before {
+                if this.line.holding() {
+                    this.line.release(); // the end, mid-line: the line goes on as it came
+                    continue;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            let arrived = &buf.filled()[before..];
+            let starts_head = this.arrived(arrived);
+            if !(starts_head || this.line.holding()) || (starts_head && line_stays(arrived)) {
+                return Poll::Ready(Ok(())); // the common case: no copy
+            }
+            let arrived = buf.filled()[before..].to_vec();
+            buf.set_filled(before);
+            this.line.take(&arrived);
         }
-        polled
+    }
+}
+
+/// Whether ``arrived``, the start of a request head, holds its whole first line and that line
+/// needs no encoding.
+fn line_stays(arrived: &[u8]) -> bool {
+    match arrived.iter().position(|&b| b == b'\n') {
+        Some(end) => encoded_request_line(&arrived[..=end]).is_none(),
+        None => false,
     }
 }
 

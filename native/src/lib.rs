@@ -12,6 +12,7 @@ mod conn;
 mod grpc;
 mod http;
 mod hub;
+mod target;
 
 use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
 use std::sync::atomic::Ordering;

@@ -3,6 +3,7 @@ extension, gRPC edges, model control and shutdown. Real clients and sockets, loo
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import shutil
@@ -247,6 +248,80 @@ def test_percent_encoded_model_name(repo_server: tuple[Served, Path]) -> None:
         assert client.infer("my model", [item]).as_numpy("INFO") is not None
     finally:
         client.close()
+
+
+def _one_answer(sock: socket.socket, reply: bytearray) -> tuple[int, bytes]:
+    """Read one answer (with a content-length) from a keep-alive connection; ``reply``
+    holds what arrived beyond it."""
+    deadline = time.monotonic() + 10
+    while b"\r\n\r\n" not in reply and time.monotonic() < deadline:
+        reply += sock.recv(65536)
+    head, _, rest = bytes(reply).partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length and time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-answer"
+        rest += chunk
+    reply[:] = rest[length:]
+    return int(head.split(b" ", 2)[1]), rest[:length]
+
+
+def test_raw_characters_a_url_may_not_hold_reach_the_handlers(
+    repo_server: tuple[Served, Path],
+) -> None:
+    """Triton (and curl) send ``<``, ``>``, a backtick and ``"`` in a URL as they are;
+    Triton's QA loads models named ``model<test>`` that way to see them refused in its
+    words. The native front end's URL parser refuses those bytes, so each request line's
+    target is percent-encoded before it; the handlers answer as for any name, request after
+    request on one connection, and a body that looks like a request line is left alone."""
+    served, _ = repo_server
+    config = {"name": "model<test>", "backend": "python", "max_batch_size": 0}
+    code = base64.b64encode(b"class TritonPythonModel:\n    pass\n").decode()
+    parameters = {"config": json.dumps(config), "file:/1/model.py": code}
+    load = json.dumps({"parameters": parameters}).encode()
+    note = json.dumps(
+        {
+            "parameters": {"note": "GET /<x> HTTP/1.1"},
+            "inputs": [{"name": "X", "datatype": "INT32", "shape": [1], "data": [1]}],
+        }
+    ).encode()
+    with socket.create_connection(_address(served), timeout=10) as sock:
+        reply = bytearray()
+        sock.sendall(
+            b"POST /v2/repository/models/model<test>/load HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(load), load)
+        )
+        status, body = _one_answer(sock, reply)
+        assert status == 400, body
+        assert "Invalid stub name: contains invalid characters" in json.loads(body)["error"]
+        for target, name in (
+            (b"/v2/models/a`b`/config", "a`b`"),
+            (b'/v2/models/c"<d>/config', 'c"<d>'),
+        ):
+            sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % target)
+            status, body = _one_answer(sock, reply)
+            assert status == 404, body
+            assert f"'{name}'" in json.loads(body)["error"]
+        sock.sendall(b'GET /v2/models/echo/config?x="<`>" HTTP/1.1\r\nHost: x\r\n\r\n')
+        status, body = _one_answer(sock, reply)
+        assert status == 200, body
+        assert json.loads(body)["name"] == "echo"
+        # The body comes after its head, on its own: it stays as it was sent.
+        sock.sendall(
+            b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+            % len(note)
+        )
+        time.sleep(0.2)
+        sock.sendall(note)
+        status, body = _one_answer(sock, reply)
+        assert status == 200, body
+        info = json.loads(json.loads(body)["outputs"][0]["data"][0])
+        assert info["parameters"] == {"note": "GET /<x> HTTP/1.1"}
+    _still_serving(served)
 
 
 def test_chunked_body_and_expect_continue(server: Served) -> None:
