@@ -134,24 +134,30 @@ class PushedStream:
         if response is not None:
             declared = self._backend.declared
             item = declared.outputs_of(response)
-            if self._ordered is not None:
-                self._ordered.sent()  # its place among the client stream's responses
+        ticket = None  # its place among the model's responses on the client's stream
+        if self._ordered is not None and not self._reader_gone:
+            ticket = self._ordered.sent()
         try:
             if in_trio_worker_thread():
-                trio.from_thread.run(self._push, item, final)
+                trio.from_thread.run(self._push, item, final, ticket)
             else:
-                trio.from_thread.run(self._push, item, final, trio_token=self._token)
+                trio.from_thread.run(self._push, item, final, ticket, trio_token=self._token)
         except (trio.Cancelled, trio.RunFinishedError):
             pass  # the request was cancelled or the server stopped: the response is dropped
 
-    async def _push(self, item: Any, final: bool) -> None:
-        if final and isinstance(item, Mapping):  # its stream's last response
-            item = ParameterizedOutputs(item, parameters_of(item), final=True)
+    async def _push(self, item: Any, final: bool, ticket: int | None = None) -> None:
+        handed = False
         try:
+            if final and isinstance(item, Mapping):  # its stream's last response
+                item = ParameterizedOutputs(item, parameters_of(item), final=True)
             if item is not None:
                 await self._send.send(item)
+            handed = True
             if final or isinstance(item, Exception):
                 self._final = True
                 await self._send.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the reader went away: dropped, as Triton drops a cancelled request's
+        finally:
+            if ticket is not None and not handed and self._ordered is not None:
+                self._ordered.dropped(ticket)  # later responses need not wait for it

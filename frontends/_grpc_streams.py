@@ -114,8 +114,8 @@ class Stream:
     """Triton's ``triton_grpc_error: true`` header: the first error ends the stream with
     its gRPC status (`failure`) instead of travelling in it as one response's message."""
     credit: trio.Semaphore = attrs.field(factory=lambda: trio.Semaphore(STREAM_BUFFER))
-    order: ResponseOrder = attrs.field(factory=ResponseOrder)
-    """The order decoupled models' responses go out in: as their code sent them."""
+    orders: dict[str, ResponseOrder] = attrs.field(factory=dict)
+    """Per decoupled model: the order its responses go out in (as its code sent them)."""
     stopping: bool = False
     failure: tuple[str, str] | None = None
     """The gRPC status code name and message the stream ended with (`status_on_error`)."""
@@ -157,19 +157,20 @@ class Stream:
         return ("UNAVAILABLE", SHUTTING_DOWN) if self.stopping else None
 
     async def emit(self, message: Any, ordered: OrderedRequest | None = None) -> None:
-        """Send one response, once the client has read enough of the earlier ones (and,
-        for a response of ``ordered``'s model, once those its models sent before are out)."""
+        """Send one response, once the client has read enough of the earlier ones; for a
+        response of ``ordered`` (a decoupled request), also once every response its model
+        sent before it on this stream is out."""
         ticket = None if ordered is None else ordered.next_ticket()
-        if ticket is None:
+        if ordered is None or ticket is None:
             await self.credit.acquire()
             self.post(message)
             return
         try:
-            await self.order.turn(ticket)
+            await ordered.turn(ticket)
             await self.credit.acquire()
             self.post(message)
         finally:
-            self.order.finish(ticket)
+            ordered.written(ticket)  # also when cancelled: the next ones go
 
     async def submit(self, message: Any, traceparent: str | None) -> None:
         """Start one request of the stream (waits while the window is full)."""
@@ -236,7 +237,10 @@ class Stream:
                 await self.emit(_stream_response(message))
                 return
             # Its model's responses go out in the order sent, among the stream's others.
-            ordered = self.order.request(wire.model_name)
+            order = self.orders.get(wire.model_name)
+            if order is None:
+                order = self.orders[wire.model_name] = ResponseOrder()
+            ordered = order.request(wire.model_name)
             reading = RESPONSE_ORDER.set(ordered)
             try:
                 await self._streamed(wire, traceparent, ordered)
@@ -276,7 +280,8 @@ class Stream:
         if wire.empty_final_response and not final:
             version = str(wire.options.model_version)
             request_id = wire.options.request_id
-            await self.emit(_stream_response(final_response(wire.model_name, version, request_id)))
+            empty = final_response(wire.model_name, version, request_id)
+            await self.emit(_stream_response(empty), ordered)  # in the final flag's place
 
     async def _failed(
         self,
