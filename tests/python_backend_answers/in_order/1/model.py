@@ -46,9 +46,7 @@ class TritonPythonModel:
             self.turn.notify_all()
             if size:
                 last = n // size * size + size - 1
-                self.turn.wait_for(
-                    lambda: self.sent >= last and self.finished >= n - 1, timeout=10
-                )
+                self.turn.wait_for(lambda: self.sent >= last and self.finished >= n - 1, timeout=10)
                 sender.send(flags=final)
                 self.finished = max(self.finished, n)
                 self.turn.notify_all()
