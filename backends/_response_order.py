@@ -56,12 +56,17 @@ class ResponseOrder:
 
     def writers_waiting(self) -> int:
         """Responses held back until the model's earlier ones are out."""
-        return sum(not event.is_set() for event in self._waiting.values())
+        return len(self._waiting)
 
     async def turn(self, ticket: int) -> None:
         """Wait until every ticket before ``ticket`` is written or given up."""
         if self._next < ticket:
-            await self._waiting.setdefault(ticket, trio.Event()).wait()
+            event = self._waiting.setdefault(ticket, trio.Event())
+            try:
+                await event.wait()
+            finally:
+                if not event.is_set():  # cancelled: no longer waiting
+                    del self._waiting[ticket]
 
     def finish(self, *tickets: int) -> None:
         """``tickets`` are written or given up: the next ones may go."""

@@ -60,7 +60,8 @@ class PushedStream:
             raise ServerClosedError(
                 f"model '{self._backend.model.name}' is being unloaded"
             ) from None
-        if isinstance(item, Exception):
+        if isinstance(item, Exception):  # an error response: the stream's last
+            self._final = True  # (before the reader leaves: `_push` may not have run on)
             raise item
         return item  # type: ignore[no-any-return]
 
@@ -72,6 +73,8 @@ class PushedStream:
         self._receive.close()
         if self._final:
             return
+        if self._ordered is not None:  # a timeout or a cancellation: what it holds goes
+            self._ordered.close()
         self._scope.cancel()
         if self._started:
             with trio.CancelScope(shield=True):
@@ -89,7 +92,7 @@ class PushedStream:
                 if backend.batches is not None:  # one call of execute with others
                     failure = await backend.batches.execute(self._instance, received, request)
                     if failure is not None and not self._sender.closed:
-                        await self._push(failure, True)
+                        await self._push(failure, True, self._failure_ticket())
                     return
                 while await self._iteration(received):  # rescheduled: once more
                     if not backend.config.iterative:
@@ -102,9 +105,15 @@ class PushedStream:
         except Exception as exc:
             failure = backend.failed(self._instance, exc)  # logged, after a final flag too
             if not self._sender.closed:
-                await self._push(failure, True)
+                await self._push(failure, True, self._failure_ticket())
         finally:
             self._done.set()
+
+    def _failure_ticket(self) -> int | None:
+        """A failed execution's error takes its place among the model's responses too."""
+        if self._ordered is None or self._reader_gone:
+            return None
+        return self._ordered.sent()
 
     async def _iteration(self, received: InferenceRequest) -> bool:
         """One ``execute`` of the request: whether the model rescheduled it. Between two

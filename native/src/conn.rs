@@ -27,7 +27,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::http::json_error;
-use crate::target::{encoded_request_line, HeldLine};
+use crate::target::{blank_prefix, encoded_request_line, HeldLine};
 
 /// The deadlines of an HTTP listener's connections.
 #[derive(Clone, Copy, Debug)]
@@ -54,6 +54,9 @@ pub struct ConnState {
     http2: AtomicBool,
     busy: AtomicUsize,
     evicted: AtomicBool,
+    /// A request was answered before its body was read to the end (hyper drains or drops
+    /// what is left): from then on no arrival is taken for the start of a head.
+    heads_lost: AtomicBool,
     timing: Mutex<Timing>,
     changed: Notify,
 }
@@ -222,6 +225,7 @@ impl Connections {
             http2: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
+            heads_lost: AtomicBool::new(false),
             timing: Mutex::new(Timing::default()),
             changed: Notify::new(),
         });
@@ -261,29 +265,45 @@ impl Connections {
     }
 }
 
-/// Marks a connection busy while a request on it is being answered.
-pub struct Busy(Arc<ConnState>);
+/// Marks a connection busy while a request on it is being answered; the answer says when it
+/// has read the request's body to the end (`body_read`).
+pub struct Busy {
+    state: Arc<ConnState>,
+    body_read: AtomicBool,
+}
 
 impl Busy {
     pub fn new(state: Arc<ConnState>) -> Busy {
         state.busy.fetch_add(1, Ordering::AcqRel);
         state.timing.lock().unwrap().head_started = None;
-        Busy(state)
+        Busy {
+            state,
+            body_read: AtomicBool::new(false),
+        }
+    }
+
+    /// The request's body was read to its end: the next bytes start the next head.
+    pub fn body_read(&self) {
+        self.body_read.store(true, Ordering::Release);
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.timing.lock().unwrap().last_done = Some(Instant::now());
-        self.0.busy.fetch_sub(1, Ordering::AcqRel);
-        self.0.changed.notify_one();
+        if !self.body_read.load(Ordering::Acquire) {
+            self.state.heads_lost.store(true, Ordering::Release);
+        }
+        self.state.timing.lock().unwrap().last_done = Some(Instant::now());
+        self.state.busy.fetch_sub(1, Ordering::AcqRel);
+        self.state.changed.notify_one();
     }
 }
 
 /// A socket that tells its `ConnState` what arrives, and holds back the first line of each
 /// HTTP/1 request head until it ends, to percent-encode the target's bytes that the `http`
-/// crate refuses (`target`). A head starts with the connection's first bytes, and with the
-/// first bytes after an answer was handed over while none is being answered (a request
+/// crate refuses (`target`). A head starts with the connection's first bytes (unless they
+/// are HTTP/2's preface), and with the first bytes after an answer was handed over while
+/// none is being answered, if every earlier request's body was read to its end (a request
 /// pipelined behind another's answer goes on as it came).
 pub struct Watched {
     stream: TcpStream,
@@ -291,6 +311,9 @@ pub struct Watched {
     connections: Arc<Connections>,
     line: HeldLine,
 }
+
+/// What a held line is read through: hyper's first reads of a connection take 24 bytes.
+const HOLDING_READ: usize = 8 * 1024;
 
 impl Watched {
     /// Notes what arrived; whether it starts a request head.
@@ -312,10 +335,28 @@ impl Watched {
                 timing.head_started = Some(Instant::now());
                 drop(timing);
                 state.changed.notify_one();
-                starts_head = !state.http2.load(Ordering::Acquire);
+                starts_head = !state.http2.load(Ordering::Acquire)
+                    && !state.heads_lost.load(Ordering::Acquire);
             }
         }
         starts_head
+    }
+
+    /// Bytes for the held line; an HTTP/2 preface turns the connection to HTTP/2.
+    fn hold(&mut self, arrived: &[u8]) {
+        if self.line.take(arrived) {
+            self.state.http2.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Whether ``arrived``, the start of a request head, holds its whole first line and that line
+/// needs no encoding (blank lines before it included).
+fn line_stays(arrived: &[u8]) -> bool {
+    let start = blank_prefix(arrived);
+    match arrived[start..].iter().position(|&b| b == b'\n') {
+        Some(end) => encoded_request_line(&arrived[start..=start + end]).is_none(),
+        None => false,
     }
 }
 
@@ -331,36 +372,35 @@ impl AsyncRead for Watched {
                 this.line.hand_over(buf);
                 return Poll::Ready(Ok(()));
             }
+            if this.line.holding() {
+                // Read on in bigger pieces than the caller's until the line ends.
+                let mut storage = [0u8; HOLDING_READ];
+                let mut more = ReadBuf::new(&mut storage);
+                let polled = Pin::new(&mut this.stream).poll_read(cx, &mut more);
+                let Poll::Ready(Ok(())) = polled else {
+                    return polled;
+                };
+                if more.filled().is_empty() {
+                    this.line.release(); // the end, mid-line: the line goes on as it came
+                    continue;
+                }
+                this.arrived(more.filled());
+                this.hold(more.filled());
+                continue;
+            }
             let before = buf.filled().len();
             let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
             let Poll::Ready(Ok(())) = polled else {
                 return polled;
             };
-            if buf.filled().len() == before {
-                if this.line.holding() {
-                    this.line.release(); // the end, mid-line: the line goes on as it came
-                    continue;
-                }
-                return Poll::Ready(Ok(()));
-            }
             let arrived = &buf.filled()[before..];
-            let starts_head = this.arrived(arrived);
-            if !(starts_head || this.line.holding()) || (starts_head && line_stays(arrived)) {
-                return Poll::Ready(Ok(())); // the common case: no copy
+            if arrived.is_empty() || !this.arrived(arrived) || line_stays(arrived) {
+                return Poll::Ready(Ok(())); // the end, or the common case: no copy
             }
             let arrived = buf.filled()[before..].to_vec();
             buf.set_filled(before);
-            this.line.take(&arrived);
+            this.hold(&arrived);
         }
-    }
-}
-
-/// Whether ``arrived``, the start of a request head, holds its whole first line and that line
-/// needs no encoding.
-fn line_stays(arrived: &[u8]) -> bool {
-    match arrived.iter().position(|&b| b == b'\n') {
-        Some(end) => encoded_request_line(&arrived[..=end]).is_none(),
-        None => false,
     }
 }
 
@@ -391,5 +431,108 @@ impl AsyncWrite for Watched {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A `Watched` server side and its client, on loopback.
+    async fn pair() -> (Watched, Arc<ConnState>, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let (watched, state) = Arc::new(Connections::default()).admit(server);
+        (watched, state, client)
+    }
+
+    /// The server side's next ``want`` bytes, read 24 at a time (as hyper-util's first
+    /// reads of a connection are).
+    async fn read_n(watched: &mut Watched, want: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut piece = [0u8; 24];
+        while out.len() < want {
+            let read = tokio::time::timeout(Duration::from_secs(5), watched.read(&mut piece));
+            let n = read.await.expect("no bytes within 5 s").unwrap();
+            assert!(n > 0, "the end, after {out:?}");
+            out.extend_from_slice(&piece[..n]);
+        }
+        out
+    }
+
+    /// Sends ``pieces`` 30 ms apart while the server side reads; whether it read ``expected``.
+    async fn trickled(
+        watched: &mut Watched,
+        client: &mut TcpStream,
+        pieces: &[&[u8]],
+        expected: &[u8],
+    ) {
+        let send = async {
+            for piece in pieces {
+                client.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        };
+        let (_, got) = tokio::join!(send, read_n(watched, expected.len()));
+        assert_eq!(
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(expected)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_first_line_in_pieces_reaches_hyper_encoded() {
+        let (mut watched, _state, mut client) = pair().await;
+        let pieces: [&[u8]; 3] = [
+            b"GE",
+            b"T /v2/models/a<",
+            b"b>/config HTTP/1.1\r\nHost: x\r\n\r\n",
+        ];
+        let expected = b"GET /v2/models/a%3Cb%3E/config HTTP/1.1\r\nHost: x\r\n\r\n";
+        trickled(&mut watched, &mut client, &pieces, expected).await;
+    }
+
+    #[tokio::test]
+    async fn an_http2_preface_split_after_its_first_bytes_makes_the_connection_http2() {
+        let (mut watched, state, mut client) = pair().await;
+        let preface: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+        trickled(
+            &mut watched,
+            &mut client,
+            &[&preface[..2], &preface[2..]],
+            preface,
+        )
+        .await;
+        assert!(state.http2.load(Ordering::Acquire));
+    }
+
+    #[tokio::test]
+    async fn only_the_first_line_after_an_answer_whose_body_was_read_is_held() {
+        let (mut watched, state, mut client) = pair().await;
+        let head: &[u8] = b"POST /x HTTP/1.1\r\ncontent-length: 19\r\n\r\n";
+        trickled(&mut watched, &mut client, &[head], head).await;
+        // While the request is answered, its body goes on as it came.
+        let busy = Busy::new(state.clone());
+        let body: &[u8] = b"GET /<x> HTTP/1.1\r\n";
+        trickled(&mut watched, &mut client, &[body], body).await;
+        busy.body_read();
+        drop(busy);
+        // The next request's line is encoded.
+        let next: &[u8] = b"GET /<y> HTTP/1.1\r\n\r\n";
+        trickled(
+            &mut watched,
+            &mut client,
+            &[next],
+            b"GET /%3Cy%3E HTTP/1.1\r\n\r\n",
+        )
+        .await;
+        // An answer given before its body was read: nothing is taken for a head any more.
+        drop(Busy::new(state.clone()));
+        let after: &[u8] = b"GET /<z> HTTP/1.1\r\n\r\n";
+        trickled(&mut watched, &mut client, &[after], after).await;
     }
 }

@@ -22,6 +22,8 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
+
+use crate::conn::Busy;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{timeout_at, Instant};
 
@@ -221,6 +223,7 @@ pub async fn serve_request(
     hub: Arc<Hub>,
     limits: HttpLimits,
     request: Request<Incoming>,
+    busy: &Busy,
 ) -> Result<Response<AnswerBody>, std::convert::Infallible> {
     let arrived = std::time::Instant::now();
     let (parts, body) = request.into_parts();
@@ -230,7 +233,10 @@ pub async fn serve_request(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     let body = match read_body(body, declared, limits).await {
-        Ok(body) => body,
+        Ok(body) => {
+            busy.body_read();
+            body
+        }
         Err(BodyError::TooLarge(size)) => {
             return Ok(refusal(413, &too_large(size, limits.max_body), true));
         }

@@ -673,7 +673,7 @@ async fn accept_http(
             let hub = service_hub.clone();
             let busy = Busy::new(service_state.clone());
             async move {
-                let answer = http::serve_request(hub, limits, request).await;
+                let answer = http::serve_request(hub, limits, request, &busy).await;
                 drop(busy);
                 answer
             }

@@ -5,11 +5,12 @@
 //! and `"`, `<`, `>` in the query; hyper then answers a bare 400 before any handler runs.
 //! Triton's server, curl and the Python front end take them as they are, and Triton's QA sends
 //! model names such as ``model<test>`` raw to check that they are refused in Triton's words.
-//! So the connection (`conn::Watched`) holds back the first line of each request head, and
-//! `encoded_request_line` writes those four bytes as ``%3C``, ``%3E``, ``%60`` and ``%22``,
-//! which the handlers decode as they decode any percent-encoding. Nothing else changes: a
-//! line that is not a request line (method, one space, a target from ``/``, one space,
-//! ``HTTP/``) is left as it came.
+//! So the connection (`conn::Watched`) holds back the first line of each request head
+//! (`HeldLine`: blank lines before it pass; bytes that cannot start a request line pass at
+//! once; HTTP/2's preface line is told apart), and `encoded_request_line` writes those four
+//! bytes as ``%3C``, ``%3E``, ``%60`` and ``%22``, which the handlers decode as they decode any
+//! percent-encoding. Nothing else changes: a line that is not a request line (method, one
+//! space, a target from ``/``, one space, ``HTTP/``) is left as it came.
 
 /// The bytes percent-encoded in a target: those httparse takes and `http::Uri` refuses.
 const REFUSED: &[u8] = b"<>`\"";
@@ -53,8 +54,35 @@ fn is_token(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
+/// The longest method a held line may start with.
+const MAX_METHOD: usize = 32;
+
+/// Whether ``prefix`` (a line's start, no line feed yet) may still become a request line: a
+/// method, then a target from ``/`` (or ``*``). Anything else goes on at once.
+fn could_be_request_line(prefix: &[u8]) -> bool {
+    match prefix.iter().position(|&b| b == b' ') {
+        None => prefix.len() <= MAX_METHOD && prefix.iter().all(|&b| is_token(b)),
+        Some(space) => {
+            space > 0
+                && prefix[..space].iter().all(|&b| is_token(b))
+                && !matches!(prefix.get(space + 1), Some(&b) if b != b'/' && b != b'*')
+        }
+    }
+}
+
+/// How many of ``bytes`` are the blank lines (CR, LF) a request head may start with.
+pub fn blank_prefix(bytes: &[u8]) -> usize {
+    bytes
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count()
+}
+
+/// HTTP/2's connection preface starts with this line.
+const PREFACE_LINE: &[u8] = b"PRI * HTTP/2.0\r\n";
+
 /// The first line of a request head, held back until it ends, then handed over (encoded
-/// where needed) with whatever came after it.
+/// where needed) with whatever came after it. Blank lines before it go on as they came.
 #[derive(Default)]
 pub struct HeldLine {
     held: Vec<u8>,
@@ -64,30 +92,44 @@ pub struct HeldLine {
 }
 
 impl HeldLine {
-    /// Whether a request line is being held back.
+    /// Whether a request line is awaited or being held back.
     pub fn holding(&self) -> bool {
         self.holding
     }
 
-    /// Bytes that arrived at the start of a request head, or while one's first line is held.
-    pub fn take(&mut self, arrived: &[u8]) {
+    /// Bytes that arrived at the start of a request head, or while one's first line is
+    /// awaited; true when the line turned out to be HTTP/2's preface.
+    pub fn take(&mut self, arrived: &[u8]) -> bool {
         self.holding = true;
+        let mut arrived = arrived;
+        if self.held.is_empty() {
+            let blank = blank_prefix(arrived);
+            self.ready.extend_from_slice(&arrived[..blank]);
+            arrived = &arrived[blank..];
+        }
+        let scanned = self.held.len();
         self.held.extend_from_slice(arrived);
-        if let Some(end) = self.held.iter().position(|&b| b == b'\n') {
-            let line = &self.held[..=end];
-            let encoded = encoded_request_line(line);
-            let rest = self.held.split_off(end + 1);
+        if let Some(offset) = self.held[scanned..].iter().position(|&b| b == b'\n') {
+            let rest = self.held.split_off(scanned + offset + 1);
             let line = std::mem::take(&mut self.held);
-            self.ready
-                .extend_from_slice(encoded.as_deref().unwrap_or(&line));
+            let preface = line == PREFACE_LINE;
+            match encoded_request_line(&line) {
+                Some(encoded) => self.ready.extend_from_slice(&encoded),
+                None => self.ready.extend_from_slice(&line),
+            }
             self.ready.extend_from_slice(&rest);
             self.holding = false;
-        } else if self.held.len() > MAX_LINE {
+            return preface;
+        }
+        if !self.held.is_empty()
+            && (self.held.len() > MAX_LINE || !could_be_request_line(&self.held))
+        {
             self.release();
         }
+        false
     }
 
-    /// The connection ended mid-line: what was held goes on as it came.
+    /// What was held goes on as it came (the connection ended, or it is no request line).
     pub fn release(&mut self) {
         self.ready.append(&mut self.held);
         self.holding = false;
@@ -105,6 +147,7 @@ impl HeldLine {
         self.handed += n;
         if self.handed == self.ready.len() {
             self.ready.clear();
+            self.ready.shrink_to(4096); // a long line's buffer does not stay for good
             self.handed = 0;
         }
     }
@@ -164,9 +207,52 @@ mod tests {
     }
 
     #[test]
+    fn blank_lines_before_the_request_line_go_on_and_the_line_is_still_encoded() {
+        let out = through(&[b"\r\n", b"\r\nGET /a<b> HTTP/1.1\r\n\r\n"]);
+        assert_eq!(out, b"\r\n\r\nGET /a%3Cb%3E HTTP/1.1\r\n\r\n");
+    }
+
+    #[test]
+    fn a_line_trickled_byte_by_byte_is_encoded_whole() {
+        let line = b"POST /v2/repository/models/m<t>/load HTTP/1.1\r\n";
+        let pieces: Vec<&[u8]> = line.chunks(1).collect();
+        assert_eq!(
+            through(&pieces),
+            b"POST /v2/repository/models/m%3Ct%3E/load HTTP/1.1\r\n"
+        );
+    }
+
+    #[test]
+    fn bytes_that_cannot_start_a_request_line_go_on_at_once() {
+        for start in [
+            &b"\x16\x03\x01\x02\x00"[..],
+            b"GET ../x",
+            b"G\x00",
+            &[b'A'; 40],
+        ] {
+            let mut line = HeldLine::default();
+            line.take(start);
+            assert!(!line.holding(), "{start:?}");
+            assert!(line.ready());
+        }
+        let mut line = HeldLine::default();
+        line.take(b"OPTIONS * HT"); // may still be one
+        assert!(line.holding());
+    }
+
+    #[test]
+    fn http2s_preface_line_is_told_apart() {
+        let mut line = HeldLine::default();
+        assert!(!line.take(b"PR"));
+        assert!(line.take(b"I * HTTP/2.0\r\n\r\nSM\r\n\r\n"));
+        assert!(!line.holding());
+    }
+
+    #[test]
     fn a_line_longer_than_the_limit_goes_on_as_it_came() {
         let mut line = HeldLine::default();
-        let long = vec![b'a'; MAX_LINE + 1];
+        let mut long = b"GET /".to_vec();
+        long.resize(MAX_LINE + 1, b'a');
         line.take(&long);
         assert!(!line.holding());
         assert!(line.ready());

@@ -277,18 +277,12 @@ def test_raw_characters_a_url_may_not_hold_reach_the_handlers(
     Triton's QA loads models named ``model<test>`` that way to see them refused in its
     words. The native front end's URL parser refuses those bytes, so each request line's
     target is percent-encoded before it; the handlers answer as for any name, request after
-    request on one connection, and a body that looks like a request line is left alone."""
+    request on one connection."""
     served, _ = repo_server
     config = {"name": "model<test>", "backend": "python", "max_batch_size": 0}
     code = base64.b64encode(b"class TritonPythonModel:\n    pass\n").decode()
     parameters = {"config": json.dumps(config), "file:/1/model.py": code}
     load = json.dumps({"parameters": parameters}).encode()
-    note = json.dumps(
-        {
-            "parameters": {"note": "GET /<x> HTTP/1.1"},
-            "inputs": [{"name": "X", "datatype": "INT32", "shape": [1], "data": [1]}],
-        }
-    ).encode()
     with socket.create_connection(_address(served), timeout=10) as sock:
         reply = bytearray()
         sock.sendall(
@@ -310,18 +304,55 @@ def test_raw_characters_a_url_may_not_hold_reach_the_handlers(
         status, body = _one_answer(sock, reply)
         assert status == 200, body
         assert json.loads(body)["name"] == "echo"
-        # The body comes after its head, on its own: it stays as it was sent.
-        sock.sendall(
-            b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-            % len(note)
-        )
-        time.sleep(0.2)
-        sock.sendall(note)
-        status, body = _one_answer(sock, reply)
-        assert status == 200, body
-        info = json.loads(json.loads(body)["outputs"][0]["data"][0])
-        assert info["parameters"] == {"note": "GET /<x> HTTP/1.1"}
     _still_serving(served)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["sized", "chunked"])
+def test_a_body_that_looks_like_a_request_line_is_left_as_it_came(
+    server: Served, chunked: bool
+) -> None:
+    """Bytes of a body never count as a request line, whatever they hold: a binary BYTES
+    input whose values are request lines with a ``<``, sent in a write of its own (after its
+    head and its length prefix), sized or chunked, comes back from the identity model as it
+    went, and the connection serves on."""
+    values = [b"GET /<x> HTTP/1.1\r\n", b"POST /a`b` HTTP/1.1\r\n\r\n"]
+    raw = b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN_BYTES",
+                    "datatype": "BYTES",
+                    "shape": [2, 1],
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "outputs": [{"name": "OUT_BYTES"}],
+        }
+    ).encode()
+    body = header + raw
+    split = len(header) + 4  # the second write starts with the first value
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
+    head = (
+        b"POST /v2/models/identity_plain/infer HTTP/1.1\r\nHost: x\r\n%s\r\n"
+        b"Inference-Header-Content-Length: %d\r\n\r\n" % (framing, len(header))
+    )
+    if chunked:
+        first = b"%x\r\n%s\r\n" % (split, body[:split])
+        rest = body[split:]
+        writes = [head + first + b"%x\r\n" % len(rest), rest + b"\r\n0\r\n\r\n"]
+    else:
+        writes = [head + body[:split], body[split:]]
+    with socket.create_connection(_address(server), timeout=10) as sock:
+        reply = bytearray()
+        for _ in range(2):  # twice on one connection: the second head follows an answer
+            for data in writes:
+                sock.sendall(data)
+                time.sleep(0.2)
+            status, answer = _one_answer(sock, reply)
+            assert status == 200, answer
+            out = json.loads(answer)["outputs"][0]["data"]
+            assert [v.encode() for v in out] == values
 
 
 def test_chunked_body_and_expect_continue(server: Served) -> None:
