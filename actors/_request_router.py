@@ -397,12 +397,14 @@ class RequestRouter:
                         self._cached_stream(runner, request, flight)
                     ) as responses:
                         async for response in responses:
+                            error = error or response.error  # the request counts as failed
                             yield response
                 finally:
                     flight.release()
             else:
                 async with contextlib.aclosing(runner.responses(request)) as responses:
                     async for response in responses:
+                        error = error or response.error  # the request counts as failed
                         yield response
         except BaseException as exc:
             error = exc
@@ -437,6 +439,8 @@ class RequestRouter:
         async with contextlib.aclosing(runner.responses(request)) as responses:
             async for response in responses:
                 response = response_on_host(response)
+                if response.error is not None:
+                    kept = None  # a stream with an error response is not stored
                 if kept is not None:
                     outputs = frozen_outputs(
                         {n: a for n, a in response.outputs.items() if wanted is None or n in wanted}

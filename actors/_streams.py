@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ..protocols import InferenceError, InferRequest, ServerClosedError, Tensors
+from ..protocols import InferenceError, InferRequest, ServerClosedError, Tensors, error_of
 
 if TYPE_CHECKING:
     from ._executor import Executor
@@ -76,7 +76,8 @@ class Streams:
                         raw = await step()
                     if raw is _END:
                         return
-                    yield pool.checked(raw)
+                    # An error response that the stream goes on after passes as it came.
+                    yield raw if error_of(raw) is not None else pool.checked(raw)
             finally:
                 if hasattr(generator, "aclose"):
                     await generator.aclose()

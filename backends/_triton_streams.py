@@ -11,7 +11,13 @@ from typing import Any
 
 import trio
 
-from ..protocols import InferRequest, ParameterizedOutputs, ServerClosedError, parameters_of
+from ..protocols import (
+    InferRequest,
+    ParameterizedOutputs,
+    ServerClosedError,
+    error_of,
+    parameters_of,
+)
 from ._base import LoadedInstance
 from ._response_order import RESPONSE_ORDER
 from ._triton_api import InferenceResponse, TritonModelException
@@ -40,6 +46,9 @@ class PushedStream:
         self._sender = InferenceResponseSender(self._deliver, self._is_cancelled)
         ordered = RESPONSE_ORDER.get()  # the client's stream writes responses as sent
         self._ordered = ordered if ordered and ordered.claim(backend.model.name) else None
+        # A gRPC stream's own request takes error responses as they come, as Triton's
+        # clients do (the stream goes on to the final flag); any other reader ends at one.
+        self._errors_go_on = self._ordered is not None
 
     def __aiter__(self) -> PushedStream:
         return self
@@ -139,10 +148,12 @@ class PushedStream:
 
     def _deliver(self, response: InferenceResponse | None, final: bool) -> None:
         """A sender's response, from any thread: wait until the reader takes it."""
-        item = None
+        item: Any = None
         if response is not None:
             declared = self._backend.declared
             item = declared.outputs_of(response)
+            if self._errors_go_on and isinstance(item, Exception):
+                item = ParameterizedOutputs({}, {}, final, error=item)
         ticket = None  # its place among the model's responses on the client's stream
         if self._ordered is not None and not self._reader_gone:
             ticket = self._ordered.sent()
@@ -157,7 +168,7 @@ class PushedStream:
     async def _push(self, item: Any, final: bool, ticket: int | None = None) -> None:
         handed = False
         try:
-            if final and isinstance(item, Mapping):  # its stream's last response
+            if final and isinstance(item, Mapping) and error_of(item) is None:  # the last
                 item = ParameterizedOutputs(item, parameters_of(item), final=True)
             if item is not None:
                 await self._send.send(item)

@@ -273,6 +273,9 @@ class Stream:
             with trio.fail_after(wire.options.timeout or math.inf):
                 async for response in each:
                     final = response.final
+                    if response.error is not None:  # the request's stream goes on after it
+                        await self._failed(*_names(wire), response.error, ordered)
+                        continue
                     message = encode_grpc_response(
                         response, final=final, shared=wire.shared_outputs
                     )
@@ -303,6 +306,11 @@ class Stream:
             self._input_closed.set()
             if self._nursery is not None:
                 self._nursery.cancel_scope.cancel()
+
+
+def _names(wire: WireRequest) -> tuple[str, str, str]:
+    """The model, version and request id an error response of ``wire`` names."""
+    return wire.model_name, str(wire.options.model_version), wire.options.request_id
 
 
 def _stream_response(message: Any) -> Any:

@@ -78,7 +78,10 @@ class WireInfer:
                 responses = self.server.stream_infer(wire.model_name, inputs, options=options)
                 async with contextlib.aclosing(responses) as each:
                     async for response in each:
-                        yield await self._finished(wire, lease, response)
+                        if response.error is not None:  # no outputs to finish
+                            yield response
+                        else:
+                            yield await self._finished(wire, lease, response)
 
     async def _finished(
         self, wire: WireRequest, lease: Lease | None, response: InferResponse

@@ -117,6 +117,7 @@ from ._messages import InferResponse as InferResponse
 from ._messages import ParameterizedOutputs as ParameterizedOutputs
 from ._messages import Tensors as Tensors
 from ._messages import carried as carried
+from ._messages import error_of as error_of
 from ._messages import parameters_of as parameters_of
 from ._messages import sent_final as sent_final
 from ._model import Function as Function

@@ -154,19 +154,23 @@ class ParameterizedOutputs(dict[str, Any]):
     """A model's outputs for one request together with the response parameters the model
     set (a python-backend model's ``InferenceResponse(..., parameters={...})``) and whether
     it sent them with its final flag (a decoupled model's last response carrying data): the
-    runner puts both on the `InferResponse`. Plain outputs (any other mapping) set none."""
+    runner puts both on the `InferResponse`. Plain outputs (any other mapping) set none. An
+    ``error`` stands for an error response the model sent in place of outputs, where its
+    reader takes error responses as they come (see `InferResponse.error`)."""
 
-    __slots__ = ("final", "parameters")
+    __slots__ = ("error", "final", "parameters")
 
     def __init__(
         self,
         outputs: Mapping[str, Any],
         parameters: Mapping[str, ParameterValue],
         final: bool = False,
+        error: Exception | None = None,
     ) -> None:
         super().__init__(outputs)
         self.parameters = parameters
         self.final = final
+        self.error = error
 
 
 def parameters_of(outputs: Tensors) -> Mapping[str, ParameterValue]:
@@ -177,6 +181,11 @@ def parameters_of(outputs: Tensors) -> Mapping[str, ParameterValue]:
 def sent_final(outputs: Tensors) -> bool:
     """Whether ``outputs`` came with the model's final flag (see `ParameterizedOutputs`)."""
     return type(outputs) is ParameterizedOutputs and outputs.final
+
+
+def error_of(outputs: Tensors) -> Exception | None:
+    """The error response ``outputs`` stands for (see `ParameterizedOutputs`), if any."""
+    return outputs.error if type(outputs) is ParameterizedOutputs else None
 
 
 def carried(raw: Tensors, outputs: Tensors) -> Tensors:
@@ -203,3 +212,7 @@ class InferResponse:
     final: bool = False
     """A decoupled model sent this response with its final flag: the last of its stream
     (a stream whose final flag came alone ends without such a response)."""
+    error: Exception | None = attrs.field(default=None, eq=False)
+    """An error response of a decoupled python-backend model that goes on after it (as
+    Triton's do), on a gRPC stream's request: its outputs are empty. Elsewhere an error
+    response is raised, and ends the stream."""

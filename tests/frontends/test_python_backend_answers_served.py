@@ -389,3 +389,28 @@ def test_a_streams_client_reads_responses_in_the_order_the_model_sent_them(
         ]
         got = [a if isinstance(a, str) else a.tolist() for a in answers]
         assert got == expected, f"round {r}"
+
+
+def test_a_streams_request_goes_on_after_an_error_response(server: Served) -> None:
+    """As in Triton, an error response of a decoupled model ends nothing: the client reads
+    it in its place among the request's responses, and the responses the model sends after
+    it, up to the final flag (here an empty final response)."""
+    received: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(callback=lambda result, error: received.put(error or result))
+        value = grpcclient.InferInput("IN", [1], "INT32")
+        value.set_data_from_numpy(np.array([1], np.int32))
+        client.async_stream_infer(
+            "error_midway", [value], request_id="r", enable_empty_final_response=True
+        )
+        got = [received.get(timeout=10) for _ in range(4)]
+        client.stop_stream()
+    first, error, third, final = got
+    assert first.as_numpy("OUT").tolist() == [0]
+    assert isinstance(error, InferenceServerException)
+    assert error.message() == "response 1 fails"  # in the stream: a message, no status
+    assert third.as_numpy("OUT").tolist() == [2]
+    response = final.get_response()
+    assert response.id == "r"
+    assert response.parameters["triton_final_response"].bool_param
+    assert not response.outputs

@@ -12,6 +12,8 @@ order, so nothing but the stream's order keeps the model's.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 import trio
 from tritonclient.grpc import service_pb2
 
-from orchestrion import open_server
+from orchestrion import InferenceError, open_server
 from orchestrion.frontends._grpc_streams import END, OpenStreams, Stream
 from orchestrion.frontends._wire_infer import WireInfer
 
@@ -102,11 +104,8 @@ async def _until(condition: Any, what: str) -> None:
 def _expected(numbers: range, empty_final: bool, finals_last: bool) -> list[str]:
     """What the client should read for in_order's requests ``numbers``, in that order."""
     expected, finals = [], []
-    for n in numbers:
-        if n % 3 == 0:
-            expected.append(f"request {n} fails")  # an error response ends its request
-            continue
-        expected.append(str(n))
+    for n in numbers:  # an error response ends nothing: its final flag follows
+        expected.append(f"request {n} fails" if n % 3 == 0 else str(n))
         if empty_final:
             (finals if finals_last else expected).append("final")
     return expected + finals
@@ -178,3 +177,58 @@ async def test_responses_dropped_after_their_reader_left_hold_nothing_back() -> 
     assert len(answered) == 1, [_read(m) for m in messages]
     assert len(timed_out) == 1, [_read(m) for m in messages]
     assert answered[0] < timed_out[0], [_read(m) for m in messages]
+
+
+async def test_an_error_response_ends_an_embedding_callers_stream_only() -> None:
+    """``stream_infer`` from Python raises a decoupled model's error response, after the
+    responses before it, and the stream ends there (its caller cannot read on after a raise);
+    a gRPC stream's request goes on after it (test_python_backend_answers_served.py)."""
+    async with open_server(REPOSITORY, load_models=["error_midway"]) as server:
+        got: list[Any] = []
+
+        async def read() -> None:
+            responses = server.stream_infer("error_midway", {"IN": np.array([1], np.int32)})
+            async with contextlib.aclosing(responses) as each:
+                async for response in each:
+                    assert response.error is None
+                    got.append(response.outputs["OUT"].tolist())
+
+        with pytest.raises(InferenceError, match="response 1 fails"):
+            await read()
+        assert got == [[0]]
+
+
+async def test_a_stream_that_went_on_after_an_error_is_not_cached_and_counts_failed(
+    tmp_path: Path,
+) -> None:
+    """A gRPC stream's request that read an error response and went on: its request counts
+    as failed, and with the response cache on, an identical request runs the model again
+    (and reads the same), as a stream that raised would."""
+    shutil.copytree(REPOSITORY / "error_midway", tmp_path / "error_midway")
+    with (tmp_path / "error_midway" / "config.pbtxt").open("a") as config:
+        config.write("response_cache { enable: true }\n")
+    async with open_server(tmp_path, cache_config="local,size=1048576") as server:
+        posted = _Posted()
+        stream = Stream(server, posted.post, OpenStreams(), WireInfer(server))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.run)
+            with trio.fail_after(30):
+                for count in (1, 2):
+                    request = _request("error_midway", "IN", np.array([1], np.int32))
+                    await stream.submit(request, None)
+
+                    def ended(count: int = count) -> bool:  # and stored, if it would be
+                        (stats,) = server.model_statistics("error_midway")
+                        done = stats.inference_stats.success.count
+                        return done + stats.inference_stats.fail.count == count
+
+                    await _until(ended, "the request's end")
+            await stream.close_input()
+        (stats,) = server.model_statistics("error_midway")
+    read = [_read(message) for message in posted.messages[:-1]]
+    assert read == ["0", "response 1 fails", "2"] * 2
+    assert stats.inference_stats.fail.count == 2
+    assert stats.inference_stats.success.count == 0
+    assert stats.inference_stats.cache_hit.count == 0
+    assert stats.inference_stats.cache_miss.count == 2
+    assert stats.execution_count == 2
