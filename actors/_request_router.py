@@ -397,14 +397,12 @@ class RequestRouter:
                         self._cached_stream(runner, request, flight)
                     ) as responses:
                         async for response in responses:
-                            error = error or response.error  # the request counts as failed
                             yield response
                 finally:
                     flight.release()
             else:
                 async with contextlib.aclosing(runner.responses(request)) as responses:
                     async for response in responses:
-                        error = error or response.error  # the request counts as failed
                         yield response
         except BaseException as exc:
             error = exc

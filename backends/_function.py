@@ -223,6 +223,8 @@ def response_on_host(response: InferResponse) -> InferResponse:
                 request_id=response.request_id,
                 outputs=to_host(outputs),
                 parameters=response.parameters,
+                final=response.final,
+                error=response.error,
             )
     return response
 

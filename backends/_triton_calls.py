@@ -289,7 +289,11 @@ async def _pump_all(
                 async with contextlib.aclosing(calls.stream_infer(request)) as responses:
                     async for response in responses:
                         final = response.final
-                        await send.send(model_response(response))
+                        await send.send(  # (an error value: only a gRPC stream's own)
+                            model_response(response)
+                            if response.error is None
+                            else error_response(response.error)
+                        )
                 if not final:  # the final flag came alone: Triton's empty last response
                     await send.send(InferenceResponse())
             except Exception as exc:

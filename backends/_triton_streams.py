@@ -17,6 +17,7 @@ from ..protocols import (
     ServerClosedError,
     error_of,
     parameters_of,
+    sent_final,
 )
 from ._base import LoadedInstance
 from ._response_order import RESPONSE_ORDER
@@ -69,8 +70,9 @@ class PushedStream:
             raise ServerClosedError(
                 f"model '{self._backend.model.name}' is being unloaded"
             ) from None
-        if isinstance(item, Exception):  # an error response: the stream's last
+        if isinstance(item, Exception) or sent_final(item):  # the stream's last
             self._final = True  # (before the reader leaves: `_push` may not have run on)
+        if isinstance(item, Exception):
             raise item
         return item  # type: ignore[no-any-return]
 

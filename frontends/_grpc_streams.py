@@ -273,8 +273,8 @@ class Stream:
             with trio.fail_after(wire.options.timeout or math.inf):
                 async for response in each:
                     final = response.final
-                    if response.error is not None:  # the request's stream goes on after it
-                        await self._failed(*_names(wire), response.error, ordered)
+                    if response.error is not None:  # the request goes on after it, unless final
+                        await self._failed(*_names(wire), response.error, ordered, final=final)
                         continue
                     message = encode_grpc_response(
                         response, final=final, shared=wire.shared_outputs
@@ -293,12 +293,16 @@ class Stream:
         request_id: str,
         error: Exception,
         ordered: OrderedRequest | None = None,
+        *,
+        final: bool = True,
     ) -> None:
-        """A request failed: its error response (in its place among the responses its model
-        sent, for ``ordered``); or, under `status_on_error`, the end of the stream with the
-        error's status (the stream's other requests cancelled)."""
+        """A request failed, or its decoupled model sent an error response (``final``: its
+        last): the error response (in its place among the responses its model sent, for
+        ``ordered``); or, under `status_on_error`, the end of the stream with the error's
+        status (the stream's other requests cancelled)."""
         if not self.status_on_error:
-            await self.emit(_error_response(model, version, request_id, error), ordered)
+            message = _error_response(model, version, request_id, error, final)
+            await self.emit(message, ordered)
             return
         if self.failure is None:
             self.failure = (grpc_status(error), error_message(error))
@@ -317,10 +321,16 @@ def _stream_response(message: Any) -> Any:
     return service_pb2.ModelStreamInferResponse(infer_response=message)
 
 
-def _error_response(model: str, version: str, request_id: str, error: BaseException) -> Any:
-    return service_pb2.ModelStreamInferResponse(
+def _error_response(
+    model: str, version: str, request_id: str, error: BaseException, final: bool = True
+) -> Any:
+    """An error message of a stream, with Triton's ``triton_final_response`` (whether the
+    request ends with it)."""
+    message = service_pb2.ModelStreamInferResponse(
         error_message=error_message(error),
         infer_response=service_pb2.ModelInferResponse(
             model_name=model, model_version=version if version != "-1" else "", id=request_id
         ),
     )
+    message.infer_response.parameters["triton_final_response"].bool_param = final
+    return message

@@ -190,9 +190,11 @@ def error_of(outputs: Tensors) -> Exception | None:
 
 def carried(raw: Tensors, outputs: Tensors) -> Tensors:
     """``outputs`` (made from ``raw``) with the parameters and final flag ``raw`` came with."""
-    if type(raw) is not ParameterizedOutputs or (not raw.parameters and not raw.final):
+    if type(raw) is not ParameterizedOutputs or (
+        not raw.parameters and not raw.final and raw.error is None
+    ):
         return outputs
-    return ParameterizedOutputs(outputs, raw.parameters, raw.final)
+    return ParameterizedOutputs(outputs, raw.parameters, raw.final, raw.error)
 
 
 def _summary(tensors: Tensors) -> str:
@@ -202,7 +204,8 @@ def _summary(tensors: Tensors) -> str:
 
 @attrs.frozen(kw_only=True)
 class InferResponse:
-    """The answer to an `InferRequest`: output tensors and response parameters."""
+    """The answer to an `InferRequest`: output tensors and response parameters (or, for a
+    decoupled model's error response on a gRPC stream, its `error`)."""
 
     model_name: str
     model_version: int
@@ -212,7 +215,7 @@ class InferResponse:
     final: bool = False
     """A decoupled model sent this response with its final flag: the last of its stream
     (a stream whose final flag came alone ends without such a response)."""
-    error: Exception | None = attrs.field(default=None, eq=False)
-    """An error response of a decoupled python-backend model that goes on after it (as
-    Triton's do), on a gRPC stream's request: its outputs are empty. Elsewhere an error
-    response is raised, and ends the stream."""
+    error: Exception | None = None
+    """An error response of a decoupled python-backend model, on the request a gRPC stream
+    reads (the stream goes on after it, as Triton's do, unless it came with the final flag):
+    its outputs are empty. Elsewhere an error response is raised, and ends the stream."""

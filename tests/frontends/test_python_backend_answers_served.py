@@ -405,6 +405,7 @@ def test_a_streams_request_goes_on_after_an_error_response(server: Served) -> No
         )
         got = [received.get(timeout=10) for _ in range(4)]
         client.stop_stream()
+    assert received.empty(), received.get()
     first, error, third, final = got
     assert first.as_numpy("OUT").tolist() == [0]
     assert isinstance(error, InferenceServerException)

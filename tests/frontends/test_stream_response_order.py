@@ -53,8 +53,11 @@ class _Posted:
 
 @asynccontextmanager
 async def _stream(credits: int) -> AsyncIterator[tuple[Stream, _Posted]]:
-    """A stream on a server with in_order and chatty, its input closed on the way out."""
-    async with open_server(REPOSITORY, load_models=["in_order", "chatty"]) as server:
+    """A stream on a server with in_order, chatty and error_midway, its input closed on the
+    way out."""
+    async with open_server(
+        REPOSITORY, load_models=["in_order", "chatty", "error_midway"]
+    ) as server:
         posted = _Posted()
         stream = Stream(
             server, posted.post, OpenStreams(), WireInfer(server), credit=trio.Semaphore(credits)
@@ -198,12 +201,10 @@ async def test_an_error_response_ends_an_embedding_callers_stream_only() -> None
         assert got == [[0]]
 
 
-async def test_a_stream_that_went_on_after_an_error_is_not_cached_and_counts_failed(
-    tmp_path: Path,
-) -> None:
-    """A gRPC stream's request that read an error response and went on: its request counts
-    as failed, and with the response cache on, an identical request runs the model again
-    (and reads the same), as a stream that raised would."""
+async def test_a_stream_that_went_on_after_an_error_is_not_cached(tmp_path: Path) -> None:
+    """A gRPC stream's request that read an error response and went on: with the response
+    cache on, an identical request runs the model again (and reads the same), as a stream
+    that raised would; each counts as a success, as in Triton (its execution ran)."""
     shutil.copytree(REPOSITORY / "error_midway", tmp_path / "error_midway")
     with (tmp_path / "error_midway" / "config.pbtxt").open("a") as config:
         config.write("response_cache { enable: true }\n")
@@ -227,8 +228,38 @@ async def test_a_stream_that_went_on_after_an_error_is_not_cached_and_counts_fai
         (stats,) = server.model_statistics("error_midway")
     read = [_read(message) for message in posted.messages[:-1]]
     assert read == ["0", "response 1 fails", "2"] * 2
-    assert stats.inference_stats.fail.count == 2
-    assert stats.inference_stats.success.count == 0
+    assert stats.inference_stats.fail.count == 0  # as Triton counts it: a request that ran
+    assert stats.inference_stats.success.count == 2
     assert stats.inference_stats.cache_hit.count == 0
     assert stats.inference_stats.cache_miss.count == 2
     assert stats.execution_count == 2
+
+
+def _final_flag(message: Any) -> bool:
+    return bool(message.infer_response.parameters["triton_final_response"].bool_param)
+
+
+async def test_error_responses_on_a_stream_say_whether_they_end_their_request() -> None:
+    """As Triton's stream messages do, an error response carries ``triton_final_response``:
+    false mid-stream (the request's later responses and its empty final response follow),
+    true when the model sent it with its final flag (nothing follows; the stream's next
+    request is answered)."""
+    async with _stream(credits=64) as (stream, posted):
+        with trio.fail_after(30):
+            flags = {"triton_enable_empty_final_response": True}
+            for value, count in ((1, 4), (2, 6), (1, 10)):
+                request = _request("error_midway", "IN", np.array([value], np.int32), **flags)
+                await stream.submit(request, None)
+                await posted.count(count)
+            await trio.sleep(0.2)  # nothing more comes
+    messages = posted.messages[:-1]
+    assert [_read(m) for m in messages] == [
+        *("0", "response 1 fails", "2", "final"),
+        *("0", "response 1 fails"),
+        *("0", "response 1 fails", "2", "final"),
+    ]
+    assert [_final_flag(m) for m in messages] == [
+        *(False, False, False, True),
+        *(False, True),
+        *(False, False, False, True),
+    ]
