@@ -444,16 +444,7 @@ class ModelRunner:
     def _response(self, request: InferRequest, outputs: Tensors) -> InferResponse:
         parameters = self.response_parameters(request, parameters_of(outputs))
         final, wanted = sent_final(outputs), request.requested_outputs
-        error = error_of(outputs)
-        if error is not None:  # an error response the stream goes on after
-            return InferResponse(
-                model_name=self.model.name,
-                model_version=self.model.version,
-                request_id=request.options.request_id,
-                parameters=parameters,
-                final=final,
-                error=error,
-            )
+        error = error_of(outputs)  # an error response the stream goes on after (no outputs)
         if wanted is not None and any(k not in wanted for k in outputs):
             outputs = {k: v for k, v in outputs.items() if k in wanted}
         return InferResponse(
@@ -463,6 +454,7 @@ class ModelRunner:
             outputs=outputs,
             parameters=parameters,
             final=final,
+            error=error,
         )
 
     def response_parameters(
