@@ -47,9 +47,6 @@ class PushedStream:
         self._sender = InferenceResponseSender(self._deliver, self._is_cancelled)
         ordered = RESPONSE_ORDER.get()  # the client's stream writes responses as sent
         self._ordered = ordered if ordered and ordered.claim(backend.model.name) else None
-        # A gRPC stream's own request takes error responses as they come, as Triton's
-        # clients do (the stream goes on to the final flag); any other reader ends at one.
-        self._errors_go_on = self._ordered is not None
 
     def __aiter__(self) -> PushedStream:
         return self
@@ -103,7 +100,7 @@ class PushedStream:
                 if backend.batches is not None:  # one call of execute with others
                     failure = await backend.batches.execute(self._instance, received, request)
                     if failure is not None and not self._sender.closed:
-                        await self._push(failure, True, self._failure_ticket())
+                        await self._push(failure, True, self._ticket())
                     return
                 while await self._iteration(received):  # rescheduled: once more
                     if not backend.config.iterative:
@@ -116,12 +113,14 @@ class PushedStream:
         except Exception as exc:
             failure = backend.failed(self._instance, exc)  # logged, after a final flag too
             if not self._sender.closed:
-                await self._push(failure, True, self._failure_ticket())
+                await self._push(failure, True, self._ticket())
         finally:
             self._done.set()
 
-    def _failure_ticket(self) -> int | None:
-        """A failed execution's error takes its place among the model's responses too."""
+    def _ticket(self) -> int | None:
+        """The place among the model's responses on the client's stream of what is sent now
+        (a response, the final flag, a failed execution's error); None: no order, or no
+        reader any more."""
         if self._ordered is None or self._reader_gone:
             return None
         return self._ordered.sent()
@@ -154,11 +153,11 @@ class PushedStream:
         if response is not None:
             declared = self._backend.declared
             item = declared.outputs_of(response)
-            if self._errors_go_on and isinstance(item, Exception):
+            if self._ordered is not None and isinstance(item, Exception):
+                # A gRPC stream's own request takes error responses as they come, as
+                # Triton's clients do (on to the final flag); any other reader ends at one.
                 item = ParameterizedOutputs({}, {}, final, error=item)
-        ticket = None  # its place among the model's responses on the client's stream
-        if self._ordered is not None and not self._reader_gone:
-            ticket = self._ordered.sent()
+        ticket = self._ticket()
         try:
             if in_trio_worker_thread():
                 trio.from_thread.run(self._push, item, final, ticket)

@@ -222,8 +222,7 @@ class Stream:
                 async with self.wire.holding(wire.model_name):  # loaded on demand
                     await self._answered(wire, traceparent)
         except Exception as exc:  # the model could not be loaded on demand
-            version, request_id = str(wire.options.model_version), wire.options.request_id
-            await self._failed(wire.model_name, version, request_id, exc)
+            await self._failed(*_names(wire), exc)
         finally:
             self._window.release()
 
@@ -250,13 +249,11 @@ class Stream:
             error = InferenceTimeoutError(
                 f"request for model '{wire.model_name}' timed out after {wire.options.timeout} s"
             )
-            version, request_id = str(wire.options.model_version), wire.options.request_id
-            await self._failed(wire.model_name, version, request_id, error, ordered)
+            await self._failed(*_names(wire), error, ordered)
         except Exception as exc:
             if not isinstance(exc, OrchestrionError):
                 _log.error("stream request failed unexpectedly", exc_info=exc)
-            version, request_id = str(wire.options.model_version), wire.options.request_id
-            await self._failed(wire.model_name, version, request_id, exc, ordered)
+            await self._failed(*_names(wire), exc, ordered)
         finally:
             if ordered is not None:
                 ordered.close()
@@ -281,9 +278,7 @@ class Stream:
                     )
                     await self.emit(_stream_response(message), ordered)
         if wire.empty_final_response and not final:
-            version = str(wire.options.model_version)
-            request_id = wire.options.request_id
-            empty = final_response(wire.model_name, version, request_id)
+            empty = final_response(*_names(wire))
             await self.emit(_stream_response(empty), ordered)  # in the final flag's place
 
     async def _failed(
@@ -313,7 +308,7 @@ class Stream:
 
 
 def _names(wire: WireRequest) -> tuple[str, str, str]:
-    """The model, version and request id an error response of ``wire`` names."""
+    """The model, version and request id a response of ``wire`` names."""
     return wire.model_name, str(wire.options.model_version), wire.options.request_id
 
 
