@@ -375,7 +375,14 @@ def test_sigterm_under_load_stops_within_the_grace_period(
     before = [o for o in outcomes if o[0] < kill_sent]
     assert len(before) >= 20, "too little load to test the stop"
     assert straddling != [], "no request was in flight at SIGTERM: the load is too light"
-    failed = [o for o in before if o[2] is not None]
-    assert failed == [], failed  # sent before SIGTERM (in flight at it included): answered
+    # Sent before SIGTERM (in flight at it included): answered. A client's clock starts
+    # before it connects, so a connection refused after the signal (the listener closed)
+    # never reached the server: that one is not in flight.
+    failed = [
+        o
+        for o in before
+        if o[2] is not None and not ("ConnectionRefused" in o[2] and o[1] > signalled[0])
+    ]
+    assert failed == [], failed
     hanging = [o for o in outcomes if o[2] is not None and "timed out" in o[2].lower()]
     assert hanging == [], hanging
